@@ -1,0 +1,164 @@
+"""Command line: LightningCLI with the project's defaults, and mistakes reported in one line."""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, NoReturn
+
+from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from template.errors import ConfigError
+from template.model import Classifier
+
+# Lightning resolves these names itself instead of reading a file.
+_SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
+
+
+def _one_line(message: str) -> str:
+    """Squeeze a multi-line library message into one line, dropping the usage noise around it."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return " ".join(lines)
+
+
+class ArgumentParser(LightningArgumentParser):
+    """Reports a bad option or value as one ``error:`` line instead of usage text."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        print(f"error: {_explain(message)}", file=sys.stderr)
+        self.exit(2)
+
+
+def _explain(message: str) -> str:
+    """Turn jsonargparse's message into: what is wrong, with which value, and what to do."""
+    text = _one_line(message)
+    help_hint = "run with --help to list the valid options"
+    if m := re.search(r'No action for key "([^"]+)"', text):
+        return f"unknown option '{m.group(1)}'; check its spelling and nesting, or {help_hint}"
+    if m := re.search(r"Unrecognized arguments: (.+)", text):
+        return f"unknown argument(s) {m.group(1)}; {help_hint}"
+    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+, value: (.*)$', text):
+        return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
+    if m := re.search(r'Parser key "([^"]+)":\s*(.*)$', text):
+        return f"invalid value for '{m.group(1)}': {m.group(2)}"
+    if "Unable to load config" in text or "does not exist" in text:
+        return f"{text}; check the path given to --config"
+    return text
+
+
+def _first_reason(details: str) -> str:
+    """jsonargparse lists why each member of a Union rejected a value; the first is usually the useful one."""
+    details = details.strip(" -")
+    if m := re.search(r"Expected a (Literal\[.*?\])", details):
+        return f"expected one of {m.group(1)[len('Literal') :]}"
+    return details[:300]
+
+
+class CLI(LightningCLI):
+    """The project's command line: ``python -m template {fit,validate,test,predict} --config configs/x.yaml``."""
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        self.parser_class = ArgumentParser
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "data": {"class_path": "template.data.DigitsDataModule"},
+                "model.net": {"class_path": "template.nets.MLP"},
+                "checkpoint.monitor": "val_acc",
+                "checkpoint.mode": "max",
+                "checkpoint.save_last": True,
+                "checkpoint.filename": "best-{epoch}-{val_acc:.4f}",
+                "checkpoint.auto_insert_metric_name": False,
+            }
+        )
+        # The data knows its shapes: networks and metrics get them from it instead of hard-coding them.
+        for attribute in ("num_classes", "input_shape"):
+            parser.link_arguments(
+                "data", f"model.net.init_args.{attribute}", compute_fn=_attribute(attribute), apply_on="instantiate"
+            )
+        parser.link_arguments("data", "model.num_classes", compute_fn=_attribute("num_classes"), apply_on="instantiate")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        if trainer_config.get("logger") in (None, True):
+            kwargs.setdefault("logger", _default_loggers(trainer_config.get("default_root_dir")))
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError) as err:
+            raise ConfigError(f"invalid trainer settings: {_one_line(err)}") from None
+
+    def _check_ckpt_path(self) -> None:
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not _is_file(ckpt_path):
+            raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
+
+    def before_fit(self) -> None:
+        self._check_ckpt_path()
+
+    def before_validate(self) -> None:
+        self._check_ckpt_path()
+
+    def before_test(self) -> None:
+        self._check_ckpt_path()
+
+    def before_predict(self) -> None:
+        self._check_ckpt_path()
+
+    def after_fit(self) -> None:
+        checkpoint = self.trainer.checkpoint_callback
+        if checkpoint is not None and checkpoint.best_model_path:
+            rank_zero_info(
+                f"Best checkpoint: {checkpoint.best_model_path} "
+                f"({checkpoint.monitor}={float(checkpoint.best_model_score):.4f})"
+            )
+
+
+def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the instantiated data module
+    """A link function reading ``name`` from the data module, or None when it has no such attribute."""
+
+    def read(data: LightningDataModule) -> Any:
+        value = getattr(data, name, None)
+        return list(value) if isinstance(value, tuple) else value
+
+    return read
+
+
+def _default_loggers(root: str | None) -> list:
+    """TensorBoard and CSV logs side by side in one version folder under ``default_root_dir``."""
+    root = root or "."
+    csv = CSVLogger(save_dir=root, name="lightning_logs")
+    # CSV first: it is the logger whose folder Lightning uses for config.yaml and checkpoints.
+    return [csv, TensorBoardLogger(save_dir=root, name="lightning_logs", version=csv.version)]
+
+
+def _is_file(path: str) -> bool:
+    return Path(path).is_file()
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of ``python -m template`` and of the ``template`` console script."""
+    # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    try:
+        CLI(
+            Classifier,
+            LightningDataModule,
+            subclass_mode_data=True,
+            seed_everything_default=1234,
+            args=args,
+        )
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

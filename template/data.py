@@ -1,0 +1,115 @@
+"""The example data: handwritten digits shipped inside the package, so nothing is downloaded."""
+
+from __future__ import annotations
+
+import gzip
+from importlib import resources
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from template.atomic import atomic_torch_save
+from template.errors import ConfigError
+
+_ARCHIVE = "digits.csv.gz"
+_CACHE = "digits.pt"
+
+
+def _read_archive() -> dict[str, Tensor]:
+    """Parse the packaged CSV: 64 pixel values (0..16) then the label, one image per row."""
+    text = gzip.decompress(resources.files("template").joinpath("assets", _ARCHIVE).read_bytes()).decode()
+    rows = torch.tensor([[int(v) for v in line.split(",")] for line in text.splitlines() if line])
+    return {"images": rows[:, :-1].to(torch.uint8).reshape(-1, 1, 8, 8), "labels": rows[:, -1].long()}
+
+
+class DigitsDataModule(LightningDataModule):
+    """8x8 handwritten digits (UCI optdigits test set, 1797 images, 10 classes), split train/val/test."""
+
+    num_classes = 10
+    input_shape = (1, 8, 8)
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        batch_size: int = 64,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        split_seed: int = 42,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ConfigError(f"data.batch_size must be a positive integer, got {batch_size}; set e.g. --data.batch_size=64")
+        if num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {num_workers}")
+        if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ConfigError(
+                f"data.val_fraction={val_fraction} and data.test_fraction={test_fraction} must be fractions "
+                "in (0, 1) that leave samples for training"
+            )
+        self.data_dir = data_dir
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers and num_workers > 0
+        self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.split_seed = split_seed
+        self.splits: dict[str, Dataset] = {}
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.data_dir) / _CACHE
+
+    def prepare_data(self) -> None:
+        """Materialise the packaged archive into ``data_dir`` once (Lightning calls this on one process per node)."""
+        directory = Path(self.data_dir)
+        if directory.exists() and not directory.is_dir():
+            raise ConfigError(f"data.data_dir '{directory}' is a file; point data.data_dir to a directory")
+        if self.cache_path.is_file():
+            return
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(_read_archive(), self.cache_path)
+        except PermissionError as err:
+            raise ConfigError(f"data.data_dir '{directory}' is not writable ({err.strerror}); choose another data.data_dir") from None
+
+    def setup(self, stage: str) -> None:
+        """Load the cached tensors and split them the same way on every process and every run."""
+        if self.splits:
+            return
+        data = torch.load(self.cache_path, weights_only=True)
+        images = data["images"].float() / 16.0
+        labels = data["labels"]
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
+        n_val = int(len(order) * self.val_fraction)
+        n_test = int(len(order) * self.test_fraction)
+        parts = {"val": order[:n_val], "test": order[n_val : n_val + n_test], "train": order[n_val + n_test :]}
+        self.splits = {name: TensorDataset(images[idx], labels[idx]) for name, idx in parts.items()}
+
+    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        return DataLoader(
+            self.splits[split],
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test")
