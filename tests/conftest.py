@@ -1,0 +1,43 @@
+"""Shared fixtures: run the real command line in a subprocess, in a scratch folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import template
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+PACKAGE = template.__name__
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment for a child run: quiet, single-threaded per process, nothing from the outer session leaking in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """Run ``python -m <package> *args`` in ``tmp_path`` with a hard timeout; returns the completed process."""
+
+    def run(*args: str, timeout: float = 180, cwd: Path | None = None, env: dict[str, str] | None = None):
+        return subprocess.run(
+            [sys.executable, "-m", PACKAGE, *map(str, args)],
+            cwd=cwd or tmp_path,
+            env=env or cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+
+    return run
