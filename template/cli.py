@@ -17,6 +17,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from template.errors import ConfigError
 from template.model import Classifier
+from template.predictions import PredictionWriter
+from template.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 
 # Lightning resolves these names itself instead of reading a file.
 _SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
@@ -95,6 +97,8 @@ class CLI(LightningCLI):
         if trainer_config.get("logger") in (None, True):
             kwargs.setdefault("logger", _default_loggers(trainer_config.get("default_root_dir")))
         try:
+            # Before Lightning's own accelerator checks, whose messages cannot point to the CPU alternative.
+            check_dp_trainer_config(trainer_config)
             return super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError) as err:
             raise ConfigError(f"invalid trainer settings: {_one_line(err)}") from None
@@ -115,6 +119,11 @@ class CLI(LightningCLI):
 
     def before_predict(self) -> None:
         self._check_ckpt_path()
+        self.trainer.callbacks.append(PredictionWriter())
+
+    def after_predict(self) -> None:
+        writer = next(c for c in self.trainer.callbacks if isinstance(c, PredictionWriter))
+        rank_zero_info(f"Predictions: {writer.path(self.trainer)}")
 
     def after_fit(self) -> None:
         checkpoint = self.trainer.checkpoint_callback
@@ -151,6 +160,8 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``python -m template`` and of the ``template`` console script."""
     # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # Evaluating a checkpoint logs into a new version folder; Lightning warns that the old folder is not reused.
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     try:
         CLI(
             Classifier,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -76,6 +77,7 @@ class DigitsDataModule(LightningDataModule):
         try:
             directory.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(_read_archive(), self.cache_path)
+            rank_zero_info(f"Prepared the digits data set in {self.cache_path}")
         except PermissionError as err:
             raise ConfigError(f"data.data_dir '{directory}' is not writable ({err.strerror}); choose another data.data_dir") from None
 

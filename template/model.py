@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
@@ -28,7 +29,9 @@ class Classifier(LightningModule):
                 f"model.num_classes is {num_classes}; give the DataModule a `num_classes` attribute "
                 "or set model.num_classes (at least 2)"
             )
-        self.save_hyperparameters(ignore=["net"])
+        # Built by LightningCLI, `net` arrives as its class_path config, which lets load_from_checkpoint rebuild it.
+        # Built by hand it is a module object: the state_dict holds it already and weights_only loading refuses it.
+        self.save_hyperparameters(ignore=[] if _given_hyperparameters.get() is not None else ["net"])
         self.net = net
         self.num_classes = num_classes
         self.optimizer = optimizer

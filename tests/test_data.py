@@ -1,0 +1,84 @@
+import threading
+
+import pytest
+import torch
+
+from template.data import DigitsDataModule
+from template.errors import ConfigError
+
+
+@pytest.fixture
+def digits(tmp_path):
+    dm = DigitsDataModule(data_dir=str(tmp_path / "data"), batch_size=32)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def _indices(dataset):
+    # Rows are unique enough to identify a sample: compare splits by content.
+    return {tuple(x.flatten().tolist()) + (int(y),) for x, y in dataset}
+
+
+def test_splits_cover_the_data_and_are_disjoint(digits):
+    sizes = {name: len(ds) for name, ds in digits.splits.items()}
+    assert sizes == {"val": 179, "test": 179, "train": 1439}
+    train, val, test = (_indices(digits.splits[k]) for k in ("train", "val", "test"))
+    assert not (train & val) and not (train & test) and not (val & test)
+
+
+def test_split_is_deterministic_and_seeded(tmp_path, digits):
+    again = DigitsDataModule(data_dir=digits.data_dir)
+    again.setup("fit")
+    assert torch.equal(again.splits["val"].tensors[1], digits.splits["val"].tensors[1])
+    other = DigitsDataModule(data_dir=digits.data_dir, split_seed=7)
+    other.setup("fit")
+    assert not torch.equal(other.splits["val"].tensors[1], digits.splits["val"].tensors[1])
+
+
+def test_batches_have_the_declared_shapes(digits):
+    x, y = next(iter(digits.train_dataloader()))
+    assert x.shape == (32, *DigitsDataModule.input_shape) and x.dtype == torch.float32
+    assert 0.0 <= x.min() and x.max() <= 1.0
+    assert y.dtype == torch.long and set(y.tolist()) <= set(range(DigitsDataModule.num_classes))
+    assert len(digits.val_dataloader().dataset) == 179
+
+
+def test_all_ten_classes_in_every_split(digits):
+    for dataset in digits.splits.values():
+        assert set(dataset.tensors[1].tolist()) == set(range(10))
+
+
+def test_prepare_data_writes_once_and_leaves_no_temp_file(tmp_path):
+    dm = DigitsDataModule(data_dir=str(tmp_path))
+    dm.prepare_data()
+    stamp = dm.cache_path.stat().st_mtime_ns
+    dm.prepare_data()
+    assert dm.cache_path.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [dm.cache_path.name]
+
+
+def test_concurrent_writers_leave_a_valid_file(tmp_path):
+    modules = [DigitsDataModule(data_dir=str(tmp_path)) for _ in range(4)]
+    threads = [threading.Thread(target=m.prepare_data) for m in modules]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    data = torch.load(modules[0].cache_path, weights_only=True)
+    assert data["images"].shape == (1797, 1, 8, 8)
+    assert [p.name for p in tmp_path.iterdir()] == [modules[0].cache_path.name]
+
+
+def test_data_dir_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    with pytest.raises(ConfigError, match="is a file"):
+        DigitsDataModule(data_dir=str(target)).prepare_data()
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("batch_size", [0, -3])
+def test_non_positive_batch_size_is_refused(batch_size):
+    with pytest.raises(ConfigError, match=f"batch_size must be a positive integer, got {batch_size}"):
+        DigitsDataModule(batch_size=batch_size)

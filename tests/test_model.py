@@ -1,0 +1,65 @@
+import pytest
+import torch
+from torch import nn
+
+from template.errors import ConfigError
+from template.model import Classifier
+from template.nets import MLP
+
+
+def _batch(n=32, classes=10):
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(n, 1, 8, 8, generator=generator), torch.randint(0, classes, (n,), generator=generator)
+
+
+def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
+    torch.manual_seed(0)
+    model = Classifier(
+        MLP((1, 8, 8), 10, dropout=0.0), num_classes=10, optimizer=lambda p: torch.optim.Adam(p, lr=1e-2)
+    )
+    optimizer = model.configure_optimizers()
+    batch = _batch()
+    losses = []
+    for _ in range(20):
+        _, _, loss = model._logits_and_loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_optimizer_and_scheduler_come_from_the_injected_callables():
+    model = Classifier(
+        MLP((1, 8, 8), 10),
+        num_classes=10,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+    )
+    config = model.configure_optimizers()
+    assert isinstance(config["optimizer"], torch.optim.SGD) and config["optimizer"].param_groups[0]["lr"] == 0.5
+    assert config["lr_scheduler"]["monitor"] == "val_loss"
+
+
+def test_predict_step_returns_one_class_per_sample():
+    model = Classifier(MLP((1, 8, 8), 10), num_classes=10)
+    x, y = _batch(5)
+    assert model.predict_step((x, y), 0).shape == (5,)
+    assert model.predict_step(x, 0).shape == (5,)
+
+
+def test_state_dict_keys_are_those_of_the_net_under_net():
+    net = MLP((1, 8, 8), 10)
+    model = Classifier(net, num_classes=10)
+    assert set(model.state_dict()) == {f"net.{k}" for k in net.state_dict()}
+
+
+def test_missing_num_classes_says_where_to_set_it():
+    with pytest.raises(ConfigError, match="model.num_classes"):
+        Classifier(MLP((1, 8, 8), 10))
+
+
+def test_net_output_size_mismatch_is_explained():
+    model = Classifier(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), num_classes=10)
+    with pytest.raises(ConfigError, match="returns 3 logits per sample but model.num_classes is 10"):
+        model._logits_and_loss(_batch())
