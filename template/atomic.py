@@ -2,23 +2,138 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
+# Temporary names carry host and PID so that a later write can tell a dead writer's leftover from a live one.
+_TMP_SUFFIX = ".tmp"
+
 
 def atomic_torch_save(obj: object, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path`` (same filesystem), fsync, then ``os.replace``."""
+    """``torch.save`` to ``path`` so that a kill at any moment leaves the previous file or the new one."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write`` on a file beside ``path`` (same filesystem), fsync it, ``os.replace`` it onto ``path``."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    directory = path.parent if str(path.parent) else Path(".")
+    remove_stale_temporaries(path)
+    mode = _target_mode(path)
+    fd, tmp = _open_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
+            if tmp is None:
+                # An O_TMPFILE file has no name until now: the window in which a kill can leak it is this link.
+                tmp = _temporary_name(path)
+                _link_unnamed(f.fileno(), tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_directory(directory)
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Delete temporaries for ``path`` left by killed writers on this host; returns what was removed."""
+    path = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]+{re.escape(_TMP_SUFFIX)}$")
+    removed = []
+    for candidate in _siblings(path):
+        match = pattern.match(candidate.name)
+        if match and match["host"] == socket.gethostname() and not _pid_alive(int(match["pid"])):
+            with contextlib.suppress(FileNotFoundError):
+                candidate.unlink()
+                removed.append(candidate)
+    return removed
+
+
+def temporaries(path: str | os.PathLike) -> list[Path]:
+    """Temporary files currently beside ``path`` that belong to writes of ``path``."""
+    path = Path(path)
+    return [p for p in _siblings(path) if p.name.startswith(f".{path.name}.") and p.name.endswith(_TMP_SUFFIX)]
+
+
+def _siblings(path: Path) -> Iterator[Path]:
+    try:
+        yield from (path.parent if str(path.parent) else Path(".")).iterdir()
+    except FileNotFoundError:
+        return
+
+
+def _temporary_name(path: Path) -> str:
+    return str(path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"))
+
+
+def _open_temporary(path: Path) -> tuple[int, str | None]:
+    """An unnamed file in the target's directory where the OS supports it (a kill cannot leak it), else a named one."""
+    directory = path.parent if str(path.parent) else Path(".")
+    if hasattr(os, "O_TMPFILE") and Path("/proc/self/fd").is_dir():
+        try:
+            return os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600), None
+        except OSError:
+            pass  # filesystem without O_TMPFILE support (e.g. some network filesystems)
+    tmp = _temporary_name(path)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
+
+
+def _link_unnamed(fd: int, name: str) -> None:
+    """Give an O_TMPFILE file a name; a ``src_dir_fd`` makes Python use linkat(), which follows the /proc link."""
+    directory = os.open(os.path.dirname(name) or ".", os.O_RDONLY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, src_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
+
+
+def _target_mode(path: Path) -> int:
+    """The mode the file has now, or for a new file what ``open()`` would give it under the current umask."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # Reading the umask through os.umask() briefly changes it for every thread; /proc avoids that on Linux.
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Persist the rename itself: without this, a power loss can bring back the old directory entry."""
+    with contextlib.suppress(OSError):  # some platforms/filesystems cannot open or fsync a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
