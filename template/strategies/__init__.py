@@ -1,0 +1,9 @@
+"""Trainer strategies the project adds to Lightning; importing this package registers them by name."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from template.strategies.dp import DataParallelStrategy, check_dp_trainer_config
+
+DataParallelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["DataParallelStrategy", "check_dp_trainer_config"]

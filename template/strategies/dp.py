@@ -1,0 +1,213 @@
+"""``strategy: dp``: one process, the LightningModule's network forward split over the listed GPUs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from torch import Tensor, nn
+
+from template.errors import ConfigError
+
+# Shipped with the project: the data-parallel run that needs no GPU.
+CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"
+
+
+class ParallelForward(nn.DataParallel):
+    """``nn.DataParallel`` whose replica threads run under the caller's autocast dtype, not only its on/off switch."""
+
+    def parallel_apply(self, replicas, inputs, kwargs):  # noqa: ANN001, ANN201 - same signature as torch's
+        # torch passes its replica threads only "autocast enabled", so bf16-mixed would silently run as fp16 there.
+        device_type = self.src_device_obj.type
+        return super().parallel_apply([under_callers_autocast(r, device_type) for r in replicas], inputs, kwargs)
+
+
+def under_callers_autocast(module: Callable[..., Any], device_type: str) -> Callable[..., Any]:
+    """``module`` as a callable that, from any thread, runs under the autocast state of the thread that wrapped it."""
+    enabled = torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return module(*args, **kwargs)
+
+    return run
+
+
+class DataParallelStrategy(ParallelStrategy):
+    """DataParallel in the Trainer: batch on the first listed GPU, ``module_name``'s forward replicated over all."""
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        module_name: str = "net",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.module_name = module_name
+        # The accelerator connector overwrites this with trainer.num_nodes before calling set_world_ranks.
+        self.num_nodes = 1
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError("DataParallelStrategy has no devices yet; the Trainer assigns them")
+        return self.parallel_devices[0]
+
+    # One process whatever a detected cluster environment (SLURM, torchrun) says about ranks.
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> None:
+        # Every batch goes whole to this one process; DataParallel splits it, not a sampler.
+        return None
+
+    def set_world_ranks(self) -> None:
+        """Check the settings: the connector calls this once it has set the accelerator, devices and num_nodes."""
+        devices = [device.index for device in self.parallel_devices or []]
+        check_dp_settings(self.accelerator, devices, self.num_nodes)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        net = model._modules.get(self.module_name)
+        if net is None:
+            raise ConfigError(
+                f"strategy dp parallelises the LightningModule's network `{self.module_name}`, but "
+                f"{type(model).__name__} has no nn.Module child of that name; assign the network as "
+                f"`self.{self.module_name}` or name it with the strategy's init_args.module_name"
+            )
+        wrapped = ParallelForward(
+            net, device_ids=[d.index for d in self.parallel_devices], output_device=self.root_device
+        )
+        # Shadow the attribute, keep the registered child: `self.net(x)` runs the replicas while parameters(),
+        # state_dict() keys, .to() and train()/eval() still see the plain network (no `module.` prefix).
+        object.__setattr__(model, self.module_name, wrapped)
+        return model
+
+    def process_dataloader(self, dataloader: object) -> object:
+        batch_size = getattr(dataloader, "batch_size", None)
+        devices = len(self.parallel_devices or [])
+        if batch_size is not None and batch_size < devices:
+            raise ConfigError(
+                f"the batch size is {batch_size} but strategy dp splits every batch over {devices} GPUs; "
+                f"raise it to at least {devices} (e.g. --data.batch_size={devices * 32}), or list fewer trainer.devices"
+            )
+        return dataloader
+
+    def reduce(self, tensor: Tensor | Any, *args: Any, **kwargs: Any) -> Tensor | Any:
+        # Outputs are gathered before the loss, so there is one value and nothing to reduce.
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        return decision
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and isinstance(module.__dict__.get(self.module_name), ParallelForward):
+            del module.__dict__[self.module_name]
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        # Lightning 2.x has no "dp" of its own; override keeps re-registration harmless.
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__, override=True)
+
+
+def is_dp(strategy: Any) -> bool:
+    """Whether a ``trainer.strategy`` value (registry name or instance) selects this strategy."""
+    if isinstance(strategy, str):
+        return strategy.strip().lower() == DataParallelStrategy.strategy_name
+    return isinstance(strategy, DataParallelStrategy)
+
+
+def check_dp_trainer_config(trainer: Mapping[str, Any]) -> None:
+    """Before the Trainer is built: if ``trainer`` selects dp, raise ConfigError unless this machine can run it."""
+    if is_dp(trainer.get("strategy")):
+        check_dp_settings(
+            trainer.get("accelerator", "auto"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
+        )
+
+
+def check_dp_settings(accelerator: str | Accelerator | None, devices: Any, num_nodes: int) -> None:
+    """Raise ConfigError naming the bad value and the fix when dp cannot run with these Trainer settings."""
+    if num_nodes != 1:
+        raise ConfigError(
+            f"strategy dp runs in one process on one machine but trainer.num_nodes is {num_nodes}; "
+            "set trainer.num_nodes=1, or use strategy ddp to train over several nodes"
+        )
+    if isinstance(accelerator, Accelerator):
+        accelerator = "cuda" if isinstance(accelerator, CUDAAccelerator) else type(accelerator).__name__
+    if str(accelerator).lower() not in ("gpu", "cuda", "auto"):
+        raise ConfigError(
+            f"strategy dp splits batches over CUDA GPUs but trainer.accelerator is {accelerator!r}; set "
+            f"trainer.accelerator=gpu, or train data-parallel on CPU processes with --config {CPU_ALTERNATIVE}"
+        )
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise ConfigError(
+            "strategy dp needs CUDA GPUs but this process sees none (torch.cuda.device_count() is 0); "
+            f"to train data-parallel on CPU use --config {CPU_ALTERNATIVE} (strategy ddp over CPU processes)"
+        )
+    missing = [index for index in _requested_gpus(devices, visible) if not 0 <= index < visible]
+    if missing:
+        renumbered = os.environ.get("CUDA_VISIBLE_DEVICES")
+        note = f" (CUDA_VISIBLE_DEVICES={renumbered} renumbers them from 0)" if renumbered else ""
+        raise ConfigError(
+            f"trainer.devices={devices} asks for GPU index {', '.join(map(str, missing))} but this process sees "
+            f"{visible} GPU(s), indices {list(range(visible))}{note}; list only those"
+        )
+
+
+def _requested_gpus(devices: Any, visible: int) -> list[int]:
+    """GPU indices a ``trainer.devices`` value asks for, read the way Lightning reads it (-1 and "auto" = all)."""
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return list(range(visible))
+        devices = [int(part) for part in text.split(",") if part.strip()] if "," in text else int(text)
+    if isinstance(devices, int):
+        return list(range(visible)) if devices == -1 else list(range(devices))
+    return [int(index) for index in devices]
