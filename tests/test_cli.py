@@ -1,0 +1,108 @@
+"""End to end: the commands a user types, run for real in a subprocess."""
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from template.model import Classifier
+from tests.conftest import CONFIGS, PACKAGE, cli_env
+
+OUR_LINES = ("Best checkpoint:", "Prepared the digits data set")
+
+
+def _metrics(run_dir: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((run_dir / "metrics.csv").open()))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One full run of the example config: the acceptance run, reused by the evaluation tests."""
+    workdir = tmp_path_factory.mktemp("example")
+    result = subprocess.run(
+        [sys.executable, "-m", PACKAGE, "fit", "--config", str(CONFIGS / "default.yaml")],
+        cwd=workdir, env=cli_env(), capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir, result
+
+
+def test_example_reaches_95_percent_validation_accuracy(trained):
+    workdir, result = trained
+    run_dir = workdir / "lightning_logs" / "version_0"
+    val_acc = [float(r["val_acc"]) for r in _metrics(run_dir) if r["val_acc"]]
+    assert len(val_acc) == 15 and max(val_acc) >= 0.95
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names[-1] == "last.ckpt" and names[0].startswith("best-") and len(names) == 2
+    assert (run_dir / "config.yaml").is_file() and list(run_dir.glob("events.out.tfevents.*"))
+    for line in OUR_LINES:
+        assert (result.stdout + result.stderr).count(line) == 1
+
+
+def test_checkpoint_loads_into_a_plain_model(trained):
+    workdir, _ = trained
+    model = Classifier.load_from_checkpoint(workdir / "lightning_logs/version_0/checkpoints/last.ckpt")
+    images = torch.load(workdir / "data" / "digits.pt", weights_only=True)["images"][:64].float() / 16
+    assert model.eval()(images).shape == (64, 10)
+
+
+@pytest.mark.parametrize("subcommand,metric", [("validate", "val_acc"), ("test", "test_acc")])
+def test_evaluate_the_checkpoint(trained, run_cli, subcommand, metric):
+    workdir, _ = trained
+    ckpt = workdir / "lightning_logs/version_0/checkpoints/last.ckpt"
+    result = run_cli(subcommand, "--config", CONFIGS / "default.yaml", "--ckpt_path", ckpt, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = max((workdir / "lightning_logs").iterdir(), key=lambda p: int(p.name.split("_")[1]))
+    assert float(_metrics(run_dir)[-1][metric]) >= 0.9
+
+
+def test_predict_writes_one_prediction_per_test_sample(trained, run_cli):
+    workdir, _ = trained
+    ckpt = workdir / "lightning_logs/version_0/checkpoints/last.ckpt"
+    result = run_cli("predict", "--config", CONFIGS / "default.yaml", "--ckpt_path", ckpt, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    path = Path((result.stdout + result.stderr).split("Predictions: ")[1].split()[0])
+    rows = list(csv.DictReader((workdir / path).open()))
+    assert [int(r["index"]) for r in rows] == list(range(179))
+    assert {int(r["prediction"]) for r in rows} <= set(range(10))
+
+
+def test_print_config_round_trip(run_cli, tmp_path):
+    printed = run_cli("fit", "--config", CONFIGS / "default.yaml", "--trainer.max_epochs=1", "--print_config")
+    assert printed.returncode == 0, printed.stderr
+    config = yaml.safe_load(printed.stdout)
+    assert config["model"]["net"]["class_path"].endswith("nets.MLP")
+    assert config["checkpoint"]["monitor"] == "val_acc"
+    (tmp_path / "full.yaml").write_text(printed.stdout)
+    result = run_cli("fit", "--config", "full.yaml", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = yaml.safe_load((tmp_path / "lightning_logs/version_0/config.yaml").read_text())
+    assert saved["trainer"]["max_epochs"] == 1
+
+
+def test_stacked_configs_and_overrides(run_cli, tmp_path):
+    (tmp_path / "small.yaml").write_text(
+        "trainer:\n  max_epochs: 2\n  limit_train_batches: 3\ndata:\n  init_args:\n    batch_size: 16\n"
+        "model:\n  net:\n    class_path: " + PACKAGE + ".nets.ConvNet\n"
+    )
+    result = run_cli(
+        "fit", "--config", CONFIGS / "default.yaml", "--config", "small.yaml",
+        "--trainer.max_epochs=1", "--trainer.limit_val_batches=1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = yaml.safe_load((tmp_path / "lightning_logs/version_0/config.yaml").read_text())
+    assert saved["trainer"]["max_epochs"] == 1  # the command line wins over both files
+    assert saved["trainer"]["limit_train_batches"] == 3 and saved["data"]["init_args"]["batch_size"] == 16
+    assert saved["model"]["net"]["class_path"] == f"{PACKAGE}.nets.ConvNet"
+
+
+def test_console_script_is_installed():
+    script = shutil.which(PACKAGE, path=str(Path(sys.executable).parent))
+    assert script, f"console script {PACKAGE!r} not installed next to {sys.executable}"
+    result = subprocess.run([script, "fit", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--trainer.strategy" in result.stdout
