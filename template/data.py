@@ -45,7 +45,9 @@ class DigitsDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ConfigError(f"data.batch_size must be a positive integer, got {batch_size}; set e.g. --data.batch_size=64")
+            raise ConfigError(
+                f"data.batch_size must be a positive integer, got {batch_size}; set e.g. --data.batch_size=64"
+            )
         if num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {num_workers}")
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
@@ -79,7 +81,9 @@ class DigitsDataModule(LightningDataModule):
             atomic_torch_save(_read_archive(), self.cache_path)
             rank_zero_info(f"Prepared the digits data set in {self.cache_path}")
         except PermissionError as err:
-            raise ConfigError(f"data.data_dir '{directory}' is not writable ({err.strerror}); choose another data.data_dir") from None
+            raise ConfigError(
+                f"data.data_dir '{directory}' is not writable ({err.strerror}); choose another data.data_dir"
+            ) from None
 
     def setup(self, stage: str) -> None:
         """Load the cached tensors and split them the same way on every process and every run."""

@@ -40,5 +40,5 @@ class PredictionWriter(BasePredictionWriter):
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["index", "prediction"])
-            for batch, indices in zip(predictions, batch_indices):
-                writer.writerows(zip(indices, batch.tolist()))
+            for batch, indices in zip(predictions, batch_indices, strict=True):
+                writer.writerows(zip(indices, batch.tolist(), strict=True))

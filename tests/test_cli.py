@@ -26,7 +26,12 @@ def trained(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("example")
     result = subprocess.run(
         [sys.executable, "-m", PACKAGE, "fit", "--config", str(CONFIGS / "default.yaml")],
-        cwd=workdir, env=cli_env(), capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        cwd=workdir,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir, result
@@ -91,8 +96,13 @@ def test_stacked_configs_and_overrides(run_cli, tmp_path):
         "model:\n  net:\n    class_path: " + PACKAGE + ".nets.ConvNet\n"
     )
     result = run_cli(
-        "fit", "--config", CONFIGS / "default.yaml", "--config", "small.yaml",
-        "--trainer.max_epochs=1", "--trainer.limit_val_batches=1",
+        "fit",
+        "--config",
+        CONFIGS / "default.yaml",
+        "--config",
+        "small.yaml",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_val_batches=1",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "lightning_logs/version_0/config.yaml").read_text())

@@ -24,7 +24,8 @@ def _last_val_acc(run_dir: Path) -> float:
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp"])
 def test_user_net_and_data_train_from_yaml(run_cli, tmp_path, strategy):
-    config = {**USER_CONFIG, "trainer": {**USER_CONFIG["trainer"], "strategy": strategy, "devices": 2 if strategy == "ddp" else 1}}
+    devices = 2 if strategy == "ddp" else 1
+    config = {**USER_CONFIG, "trainer": {**USER_CONFIG["trainer"], "strategy": strategy, "devices": devices}}
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
     result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=str(USER_CODE)))
     assert result.returncode == 0, result.stderr[-3000:]
