@@ -1,0 +1,146 @@
+"""Exact resume: every process's random number generator states travel in the checkpoint and come back on resume."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+
+from template.errors import ConfigError
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional for torch; without it there is no NumPy generator to save
+    np = None
+
+
+class RNGStateCheckpoint(Callback):
+    """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank, and restores them on resume.
+
+    Checkpoints hold only tensors and plain Python values, so they load with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: Trainer | None = None
+        self._pending_samplers: list[torch.Tensor | None] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return "RNGStateCheckpoint"
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called on every rank while a checkpoint is assembled; rank 0's copy (holding all ranks) is written."""
+        state = _collect(self._train_loaders())
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, state)
+        else:
+            ranks = [state]
+        return {"world_size": len(ranks), "ranks": ranks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore this rank's generators now; sampler generators once the train dataloader exists."""
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if state_dict["world_size"] != world_size:
+            rank_zero_warn(
+                f"The checkpoint holds random states of {state_dict['world_size']} processes but this run has "
+                f"{world_size}; random states are not restored, so the resumed run will not repeat the original "
+                "one exactly. Resume with the same number of processes for an exact continuation."
+            )
+            return
+        state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
+        _restore(state)
+        self._pending_samplers = state["samplers"]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pending_samplers is not None:
+            generators = _sampler_generators(self._train_loaders())
+            for generator, saved in zip(generators, self._pending_samplers, strict=False):
+                if generator is not None and saved is not None:
+                    generator.set_state(saved)
+            self._pending_samplers = None
+        loop = trainer.fit_loop
+        if loop.restarted_mid_epoch:
+            done = loop.epoch_loop.batch_progress.current.completed
+            total = trainer.num_training_batches
+            rank_zero_warn(
+                f"Resuming in the middle of epoch {trainer.current_epoch} (after {done} of {total} "
+                "batches): this run is not an exact continuation. Lightning cannot skip into a plain DataLoader, so "
+                f"the remaining {total - done} steps of this epoch read the data from the start of an epoch again "
+                f"(on one process in a new shuffled order): about {done} batches' worth of this epoch's samples are "
+                "seen twice and as many are not seen. Later epochs proceed normally. For an exact resume use a "
+                "checkpoint written at the end of an epoch (last.ckpt is written after each validation)."
+            )
+
+    def _train_loaders(self) -> list[DataLoader]:
+        if self._trainer is None:
+            return []
+        loaders: list[DataLoader] = []
+        apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
+        return loaders
+
+
+def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | None]:
+    """The explicit generator of each loader's sampler; None where sampling draws from the global torch RNG."""
+    generators = []
+    for loader in loaders:
+        sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+        generator = getattr(sampler, "generator", None)
+        generators.append(generator if isinstance(generator, torch.Generator) else None)
+    return generators
+
+
+def _collect(loaders: list[DataLoader]) -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": None,
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        "samplers": [g.get_state() if g is not None else None for g in _sampler_generators(loaders)],
+    }
+    if np is not None:
+        algorithm, keys, pos, has_gauss, cached = np.random.get_state()
+        # Plain types only: a numpy array in a checkpoint breaks torch.load(weights_only=True).
+        keys = torch.from_numpy(keys.astype(np.int64))
+        state["numpy"] = [str(algorithm), keys, int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def _restore(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if np is not None and state["numpy"] is not None:
+        algorithm, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_last_checkpoint(root: str | os.PathLike, dirpath: str | os.PathLike | None = None) -> str:
+    """The most recently written ``.ckpt`` of the runs under ``root`` (``<logger>/<version>/checkpoints/``)."""
+    root = Path(root)
+    patterns = [root / "*" / "*" / "checkpoints", root / "checkpoints"]
+    if dirpath:
+        patterns.append(Path(dirpath))
+    candidates = [p for pattern in patterns for p in glob.glob(str(pattern / "*.ckpt")) if Path(p).is_file()]
+    if not candidates:
+        raise ConfigError(
+            f"--ckpt_path last: no checkpoint found under '{root}' (looked in {root}/<logger>/<version>/checkpoints); "
+            "train first, set --trainer.default_root_dir to the run's root, or pass a checkpoint file"
+        )
+    # On equal times prefer last.ckpt: ModelCheckpoint writes it right after the best-* file of the same step.
+    return max(candidates, key=lambda p: (os.stat(p).st_mtime_ns, Path(p).name.startswith("last")))

@@ -1,0 +1,107 @@
+"""Hang watchdog: a rank that hangs ends the whole job within a timeout, and no process of the job outlives it."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from template.errors import ConfigError
+
+_PR_SET_PDEATHSIG = 1
+
+
+class HangWatchdog(Callback):
+    """Bounds how long a process waits for the others, then takes the whole job down.
+
+    Args:
+        timeout: seconds a collective (all-reduce, barrier) may wait for the other processes before the job
+            fails. It also bounds how long one rank may work alone while the others wait, e.g. a long
+            ``prepare_data`` download on rank 0: raise it for such work.
+        grace: seconds the launching process gives its child ranks to exit on their own before killing them.
+    """
+
+    def __init__(self, timeout: float = 600.0, grace: float = 3.0) -> None:
+        if timeout <= 0:
+            raise ConfigError(f"watchdog.timeout must be a positive number of seconds, got {timeout}; e.g. 600")
+        if grace < 0:
+            raise ConfigError(f"watchdog.grace must be >= 0 seconds, got {grace}; e.g. 3")
+        self.timeout = timeout
+        self.grace = grace
+
+    def arm(self, trainer: Trainer) -> None:
+        """Give the process group this timeout; called before the trainer starts its processes."""
+        strategy = trainer.strategy
+        # Lightning's default (30 min) means nobody chose one; an explicit DDPStrategy(timeout=...) is kept.
+        if isinstance(strategy, DDPStrategy) and strategy._timeout == default_pg_timeout:
+            strategy._timeout = timedelta(seconds=self.timeout)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if _launched_children(trainer) is None and trainer.local_rank > 0 and _launched_by_lightning(trainer):
+            # A child rank dies with its launcher, even when the launcher is SIGKILLed and runs no cleanup.
+            _die_with_parent()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """The launcher is failing: stop the ranks it started, or a hung one would be left orphaned."""
+        children = _launched_children(trainer)
+        if not children:
+            return
+        deadline = time.monotonic() + self.grace
+        for proc in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        alive = [proc for proc in children if proc.poll() is None]
+        if not alive:
+            return
+        timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
+        reason = (
+            f"a collective waited more than watchdog.timeout={self.timeout:g} s: another rank is hung or too slow"
+            if timed_out
+            else f"this process failed ({type(exception).__name__})"
+        )
+        pids = ", ".join(str(proc.pid) for proc in alive)
+        print(
+            f"[rank {trainer.global_rank}] {reason}; killing the job's other processes (PID {pids}). "
+            "If a rank legitimately works alone for longer, raise --watchdog.timeout.",
+            file=sys.stderr,
+            flush=True,
+        )
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+        for proc in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+
+def _launched_children(trainer: Trainer) -> list[subprocess.Popen] | None:
+    """The child ranks this process started with Lightning's script launcher, or None if it started none."""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+        return list(launcher.procs)
+    return None
+
+
+def _launched_by_lightning(trainer: Trainer) -> bool:
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if not isinstance(launcher, _SubprocessScriptLauncher):
+        return False
+    return not launcher.cluster_environment.creates_processes_externally
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits; elsewhere this is a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
