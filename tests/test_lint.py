@@ -1,0 +1,23 @@
+"""The code base stays ruff-clean, so CI catches style and obvious bugs without a separate step."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _ruff() -> str:
+    found = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if not found:
+        pytest.fail("ruff is not installed: install the dev extra (pip install -e '.[dev]')")
+    return found
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_ruff(command):
+    result = subprocess.run([_ruff(), *command, "."], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
