@@ -1,0 +1,139 @@
+"""Copy the live project into a new project folder under the user's names."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+
+from cookiecutter_bake.answers import AnswerError, package_folder
+from cookiecutter_bake.files import live_files, templated_files
+from cookiecutter_bake.rename import Renamer
+
+# Needed to bake, not to use a baked project: dropped from its pyproject.toml.
+BAKE_ONLY_DEPENDENCIES = ("cookiecutter", "cruft", "pytest-cookies")
+_TEXT_SUFFIXES_WITH_RULES = (".py", ".pyi", ".toml", ".cfg")
+
+
+def renamer(root: Path, answers: Mapping[str, object]) -> Renamer:
+    """The rename from the live package to ``answers['package_name']``."""
+    old = package_folder(root)
+    children = [entry.name for entry in (root / old).iterdir() if entry.name != "__pycache__"]
+    return Renamer(old, str(answers["package_name"]), children, slug=str(answers["project_slug"]))
+
+
+def plan(root: Path, answers: Mapping[str, object]) -> dict[PurePosixPath, PurePosixPath]:
+    """Live file -> its path in the new project; a file cookiecutter renders from the template wins."""
+    rename = renamer(root, answers)
+    rendered = set(templated_files(root))
+    targets = {rel: rename.path(rel) for rel in live_files(root)}
+    return {src: dst for src, dst in targets.items() if dst not in rendered}
+
+
+def conflicts(root: Path, answers: Mapping[str, object], project_dir: Path) -> list[PurePosixPath]:
+    """Files the bake would write that already exist in ``project_dir`` (it exists with ``-f``)."""
+    planned = [*templated_files(root), *plan(root, answers).values()]
+    return [rel for rel in planned if os.path.lexists(project_dir / rel)]
+
+
+def refuse_overwrites(root: Path, answers: Mapping[str, object], project_dir: Path) -> None:
+    """Raise ``AnswerError`` if the bake would replace a file that is already there."""
+    found = conflicts(root, answers, project_dir)
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise AnswerError(
+            f"{project_dir} already holds {', '.join(map(str, found[:3]))}{more}, which this bake would overwrite; "
+            "move them away or bake into a new folder (even with -f/-s this template never overwrites files)"
+        )
+
+
+def copy_live_files(root: Path, project_dir: Path, answers: Mapping[str, object]) -> None:
+    """Copy every live file into ``project_dir``, renamed; binary files byte for byte, modes kept."""
+    rename = renamer(root, answers)
+    for src_rel, dst_rel in plan(root, answers).items():
+        src, dst = root / src_rel, project_dir / dst_rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+            continue
+        data = src.read_bytes()
+        text = _as_text(data)
+        if text is not None:
+            suffix = src_rel.suffix if src_rel.suffix in _TEXT_SUFFIXES_WITH_RULES else ""
+            text = rename.text(text, suffix)
+            if src_rel == PurePosixPath("pyproject.toml"):
+                text = rewrite_pyproject(text, answers)
+            data = text.encode("utf-8")
+        with open(dst, "xb") as f:  # never replaces a file: refuse_overwrites ran in pre_gen
+            f.write(data)
+        shutil.copymode(src, dst)
+
+
+def _as_text(data: bytes) -> str | None:
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def rewrite_pyproject(text: str, answers: Mapping[str, object]) -> str:
+    """The new project's own name, description, author and licence; no cookiecutter-only dependencies."""
+    start = re.search(r"(?m)^\[project\][ \t]*$", text)
+    if not start:
+        raise AnswerError("the live pyproject.toml has no [project] table; cannot name the new project")
+    end = re.search(r"(?m)^\[", text[start.end() :])
+    head, table, tail = text[: start.end()], text[start.end() : start.end() + end.start() if end else None], ""
+    if end:
+        tail = text[start.end() + end.start() :]
+
+    def toml(value: object) -> str:
+        return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a valid TOML basic string
+
+    table = re.sub(r"(?m)^authors[ \t]*=[ \t]*\[(?:[^\]\n]*\]|.*?\n\])[ \t]*\n", "", table, flags=re.S)
+    table = re.sub(r"(?m)^license(?:-files)?[ \t]*=.*\n", "", table)
+    table = re.sub(r"(?m)^name[ \t]*=.*$", f"name = {toml(answers['project_slug'])}", table, count=1)
+    author = f"name = {toml(answers['author_name'])}"
+    if answers.get("author_email"):
+        author += f", email = {toml(answers['author_email'])}"
+    extra = f"authors = [{{ {author} }}]\n"
+    if answers["license"] != "none":
+        extra += f"license = {toml(answers['license'])}\n"
+    description = f"description = {toml(answers['description'])}\n"
+    table, found = re.subn(r"(?m)^description[ \t]*=.*\n", lambda _: description + extra, table, count=1)
+    if not found:
+        table = re.sub(r"(?m)^(name[ \t]*=.*\n)", lambda m: m.group(1) + description + extra, table, count=1)
+    text = head + table + tail
+    dropped = "|".join(map(re.escape, BAKE_ONLY_DEPENDENCIES))
+    return re.sub(rf"(?m)^[ \t]*[\"'](?:{dropped})(?![\w-])[^\"'\n]*[\"'][ \t]*,?[ \t]*\n", "", text)
+
+
+def readme_body(root: Path, answers: Mapping[str, object]) -> str:
+    """The live README after its title and introduction, renamed, without its cookiecutter and licence sections."""
+    text = (root / "README.md").read_text(encoding="utf-8")
+    sections: list[list[str]] = [[]]
+    fenced = False
+    for line in text.splitlines(keepends=True):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        if line.startswith("## ") and not fenced:
+            sections.append([])
+        sections[-1].append(line)
+    kept = [
+        "".join(section)
+        for section in sections[1:]
+        if not re.search(r"cookiecutter|^## licen[cs]e", section[0], flags=re.I)
+    ]
+    return renamer(root, answers).text("".join(kept), ".md").strip() + "\n"
+
+
+def finish(project_dir: Path, answers: Mapping[str, object]) -> None:
+    """Remove what the templated folder renders empty on purpose (LICENSE when the answer is 'none')."""
+    for rel in ("LICENSE",):
+        path = project_dir / rel
+        if path.is_file() and not path.read_text(encoding="utf-8").strip():
+            path.unlink()

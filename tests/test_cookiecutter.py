@@ -1,0 +1,326 @@
+"""`cookiecutter <this repo>`: the baked project is renamed throughout, runs, and passes its own tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cookiecutter.exceptions import FailedHookException, OutputDirExistsException
+from cookiecutter.main import cookiecutter
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
+
+import template
+from tests.conftest import REPO, cli_env
+
+OLD = template.__name__
+sys.path.insert(0, str(REPO))  # the cookiecutter-only package, for the rename unit test
+from cookiecutter_bake.rename import Renamer  # noqa: E402
+
+# What a module reference to the old package looks like; prose such as "a template." is not one.
+LEFTOVER = re.compile(
+    rf"(?<![\w.-]){OLD}\.[A-Za-z_]|(?:-m|import|from)[ \t]+{OLD}\b|[\"']{OLD}\*?[\"']|(?<![\w.-]){OLD}/"
+    rf"|`{OLD}`|--cov[= ]{OLD}\b|\"-m\",\s*\"{OLD}\""
+)
+BAKE_ONLY = ["cookiecutter.json", "hooks", "cookiecutter_bake", "{{cookiecutter.project_slug}}"]
+CUSTOM = {
+    "project_name": "Digit Lab",
+    "package_name": "digit_lab",
+    "description": 'Digits, """quoted""" and \'\'\' then ); import os # \\',
+    "author_name": "Ann O'Neil",
+    "author_email": "ann@example.org",
+    "license": "none",
+    "python_version": "3.12",
+}
+TIMEOUT = 120
+
+
+def _config(tmp: Path) -> Path:
+    """A cookiecutter user config that keeps clones and replay files inside the test's folder."""
+    path = tmp / "cookiecutterrc.yaml"
+    if not path.exists():
+        path.write_text(f"cookiecutters_dir: {tmp / 'clones'}\nreplay_dir: {tmp / 'replay'}\n")
+    return path
+
+
+def bake(out: Path, template_path: str | Path = REPO, **answers: str) -> Path:
+    """Bake in this process through cookiecutter's API (the hooks still run as subprocesses)."""
+    return Path(
+        cookiecutter(
+            str(template_path), no_input=True, extra_context=answers, output_dir=str(out), config_file=str(_config(out))
+        )
+    )
+
+
+def run(args: list[str], cwd: Path, timeout: float = TIMEOUT, **env: str) -> subprocess.CompletedProcess:
+    git_identity = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    return subprocess.run(
+        args,
+        cwd=cwd,
+        env=cli_env(**git_identity, GIT_COMMITTER_EMAIL="t@t", **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def text_files(project: Path) -> dict[Path, str]:
+    found = {}
+    for path in project.rglob("*"):
+        # .cruft.json is cruft's own record, where "template" is a key naming the template's URL.
+        if path.is_file() and ".git" not in path.relative_to(project).parts and path.name != ".cruft.json":
+            try:
+                found[path] = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+    return found
+
+
+def leftovers(project: Path) -> list[str]:
+    return [
+        f"{path.relative_to(project)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+        for path, text in text_files(project).items()
+        for m in LEFTOVER.finditer(text)
+    ]
+
+
+@pytest.fixture(scope="module")
+def default_bake(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return bake(tmp_path_factory.mktemp("default"))
+
+
+@pytest.fixture(scope="module")
+def custom_bake(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return bake(tmp_path_factory.mktemp("custom"), **CUSTOM)
+
+
+def test_renamer_changes_module_references_and_leaves_prose() -> None:
+    rename = Renamer(OLD, "lab", ["cli.py", "nets.py", "assets"], slug="my-lab")
+    before = (
+        f"from {OLD}.cli import main\nimport {OLD}\n>>> import {OLD}.nets\nclass_path: {OLD}.nets.MLP\n"
+        f'python -m {OLD} fit\n["-m", "{OLD}"]\nsee {OLD}/cli.py and {OLD}/assets/x\nthe `{OLD}` package\n'
+        f'{OLD}.__version__\n{OLD} fit --config x.yaml\nresources.files("{OLD}")\n'
+        f"A {OLD}. The {OLD} fit for purpose; {OLD}.format(x); my_{OLD}.cli; my-{OLD}/cli.py\n"
+    )
+    after = rename.text(before, ".py")
+    assert after.splitlines()[:-1] == [
+        "from lab.cli import main",
+        "import lab",
+        ">>> import lab.nets",
+        "class_path: lab.nets.MLP",
+        "python -m lab fit",
+        '["-m", "lab"]',
+        "see lab/cli.py and lab/assets/x",
+        "the `lab` package",
+        "lab.__version__",
+        "lab fit --config x.yaml",
+        'resources.files("lab")',
+    ]
+    assert after.splitlines()[-1] == before.splitlines()[-1]  # prose and other names untouched
+    assert rename.text(after, ".py") == after  # renaming twice changes nothing
+    toml = rename.text(f'[project]\nname = "{OLD}"\n[project.scripts]\n{OLD} = "{OLD}.cli:main"\n', ".toml")
+    assert tomllib.loads(toml) == {"project": {"name": "my-lab", "scripts": {"lab": "lab.cli:main"}}}
+
+
+def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) -> None:
+    project = default_bake
+    package = "lightning_project"
+    assert project.name == "lightning-project"
+    assert (project / package / "__init__.py").is_file() and not (project / OLD).exists()
+    assert leftovers(project) == []
+    for name in BAKE_ONLY:
+        assert not (project / name).exists(), name
+    assert not list(project.rglob("*cookiecutter*.py")) and not list(project.rglob("__pycache__"))
+    assert not list(project.rglob("*.egg-info"))
+    # Every live package file is there, binary files byte for byte, executable bits kept.
+    live = {p.relative_to(REPO / OLD) for p in (REPO / OLD).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert live <= {p.relative_to(project / package) for p in (project / package).rglob("*") if p.is_file()}
+    digits = Path("assets", "digits.csv.gz")
+    assert (project / package / digits).read_bytes() == (REPO / OLD / digits).read_bytes()
+    assert (project / ".ci" / "run").stat().st_mode & stat.S_IXUSR
+    assert (project / ".github" / "workflows" / "tests.yml").is_file()
+    assert "ruff" in (project / ".pre-commit-config.yaml").read_text()
+    assert (project / ".gitignore").read_text() == (REPO / ".gitignore").read_text()
+
+    meta = tomllib.loads((project / "pyproject.toml").read_text())
+    assert meta["project"]["name"] == "lightning-project"
+    assert meta["project"]["authors"] == [{"name": "Your Name", "email": "you@example.com"}]
+    assert meta["project"]["license"] == "MIT" and "Your Name" in (project / "LICENSE").read_text()
+    assert meta["project"]["scripts"] == {package: f"{package}.cli:main"}
+    assert not [d for d in meta["project"]["optional-dependencies"]["dev"] if re.match(r"cookiecutter|cruft", d)]
+
+    readme = (project / "README.md").read_text()
+    assert readme.startswith("# Lightning Project\n")
+    assert f"python -m {package} fit --config configs/default.yaml" in readme
+    assert 'pip install "torch==2.13.0" -e ".[dev]" && python -m pytest' in readme
+    assert "strategy:" in readme and "cookiecutter" not in readme.lower()
+
+
+def test_custom_bake_trains_and_passes_its_own_tests(custom_bake: Path) -> None:
+    project, package = custom_bake, CUSTOM["package_name"]
+    assert project.name == "digit-lab" and leftovers(project) == []
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert meta["description"] == CUSTOM["description"]  # quotes and backslashes arrive as data
+    assert meta["authors"] == [{"name": "Ann O'Neil", "email": "ann@example.org"}]
+    assert "license" not in meta and not (project / "LICENSE").exists()
+    assert 'python-version: "3.12"' in (project / ".github" / "workflows" / "tests.yml").read_text()
+    assert f"python -m {package} fit" in (project / "README.md").read_text()
+
+    env = {"PYTHONPATH": str(project)}
+    fit = run(
+        [sys.executable, "-m", package, "fit", "--config", "configs/default.yaml", "--trainer.fast_dev_run=true"],
+        cwd=project,
+        **env,
+    )
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    # Every test module of the baked suite imports under the new name; a fast part of it runs.
+    collect = run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], project, **env)
+    assert collect.returncode == 0 and " tests collected" in collect.stdout, collect.stdout[-2000:]
+    fast = [f"tests/{name}" for name in ("test_nets.py", "test_model.py") if (project / "tests" / name).is_file()]
+    tests = run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *fast], project, 300, **env)
+    assert tests.returncode == 0, tests.stdout[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("answer", "value", "message"),
+    [
+        ("package_name", "os", "would shadow the standard-library module 'os'"),
+        ("package_name", "class", "is a Python keyword"),
+        ("package_name", "match", "is a Python keyword"),
+        ("package_name", "torch", "would shadow the dependency 'torch'"),
+        ("package_name", "numpy", "would shadow the dependency 'numpy'"),
+        ("package_name", "configs", "already a top-level file or folder"),
+        ("package_name", "My-Pkg", "is not a valid lowercase Python identifier"),
+        ("package_name", "1st", "is not a valid lowercase Python identifier"),
+        ("project_slug", "../escape", "must be a folder name, not a path"),
+        ("project_slug", "/tmp/abs", "must be a folder name, not a path"),
+        ("project_slug", ".hidden", "is not a safe folder name"),
+        ("author_email", "not-an-email", "is not an e-mail address"),
+        ("python_version", "2.7", "is not a Python the project runs on"),
+        ("description", "two\nlines", "must be one line of printable text"),
+    ],
+)
+def test_invalid_answer_is_refused_before_anything_is_written(
+    tmp_path: Path, answer: str, value: str, message: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(FailedHookException, match=re.escape(f"{answer} {value!r}")) as err:
+        bake(out, **{answer: value})
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert sorted(p.name for p in out.iterdir()) == ["cookiecutterrc.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # ../escape did not land beside it either
+
+
+def test_command_line_reports_a_bad_answer_in_one_line(tmp_path: Path) -> None:
+    result = run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", str(REPO), "-o", str(tmp_path), "package_name=torch"],
+        cwd=tmp_path,
+        HOME=str(tmp_path),
+    )
+    assert result.returncode != 0
+    assert result.stdout.strip().splitlines() == [
+        "package_name 'torch' would shadow the dependency 'torch'; choose another package_name"
+    ]
+    assert "Traceback" not in result.stderr and not (tmp_path / "lightning-project").exists()
+
+
+def test_existing_folder_is_never_overwritten(tmp_path: Path) -> None:
+    project = bake(tmp_path)
+    edited = project / "configs" / "default.yaml"
+    edited.write_text("# my edits\n")
+    with pytest.raises(OutputDirExistsException):
+        bake(tmp_path)
+    for skip in (False, True):  # -f, and -f -s
+        with pytest.raises(FailedHookException):
+            cookiecutter(
+                str(REPO),
+                no_input=True,
+                output_dir=str(tmp_path),
+                config_file=str(_config(tmp_path)),
+                overwrite_if_exists=True,
+                skip_if_file_exists=skip,
+            )
+        assert edited.read_text() == "# my edits\n"
+
+
+def test_relative_path_dot_and_replay(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    first = run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", ".", "-o", str(tmp_path / "a"), "--config-file",
+         str(config), "project_name=Dot Bake"],
+        cwd=REPO,
+        TMPDIR=str(tmpdir),
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (tmp_path / "a" / "dot-bake" / "dot_bake" / "cli.py").is_file()
+    assert list(tmpdir.iterdir()) == []  # the rendered hooks, answers inside, removed themselves
+    relative = os.path.relpath(REPO, tmp_path)
+    again = run(
+        [sys.executable, "-m", "cookiecutter", "--replay", relative, "-o", "b", "--config-file", str(config)],
+        cwd=tmp_path,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "b" / "dot-bake" / "dot_bake" / "cli.py").is_file()
+    assert leftovers(tmp_path / "b" / "dot-bake") == []
+
+
+def _snapshot_repo(dest: Path) -> Path:
+    """A git repository holding the live tree as it is now (committed or not), as a remote would serve it."""
+    files = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], REPO).stdout.split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
+        assert run(["git", *args], dest).returncode == 0
+    return dest
+
+
+def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
+    remote = _snapshot_repo(tmp_path / "remote")
+    config = _config(tmp_path)
+    url = f"git+file://{remote}"
+    cloned = run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", url, "--checkout", "main", "-o", str(tmp_path / "cc"),
+         "--config-file", str(config), "package_name=from_git"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert cloned.returncode == 0, cloned.stderr[-2000:]
+    assert (tmp_path / "cc" / "lightning-project" / "from_git" / "cli.py").is_file()
+
+    created = run(
+        [sys.executable, "-m", "cruft", "create", f"file://{remote}", "--no-input", "--config-file", str(config),
+         "--output-dir", str(tmp_path / "cruft"), "--extra-context", json.dumps({"package_name": "via_cruft"})],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert created.returncode == 0, created.stderr[-2000:]
+    project = tmp_path / "cruft" / "lightning-project"
+    assert (project / "via_cruft" / "cli.py").is_file() and leftovers(project) == []
+    assert json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["package_name"] == "via_cruft"
+
+    # The template moves on while the user edits their project; `cruft update` merges both.
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "baked"]):
+        assert run(["git", *args], project).returncode == 0
+    (project / "configs" / "default.yaml").write_text((project / "configs" / "default.yaml").read_text() + "# mine\n")
+    assert run(["git", "commit", "-qam", "my edit"], project).returncode == 0
+    nets = remote / OLD / "nets.py"
+    nets.write_text(nets.read_text() + "\n\n# template update\n")
+    assert run(["git", "commit", "-qam", "update"], remote).returncode == 0
+    updated = run([sys.executable, "-m", "cruft", "update", "-y"], project)
+    assert updated.returncode == 0, updated.stdout[-2000:] + updated.stderr[-2000:]
+    assert (project / "via_cruft" / "nets.py").read_text().endswith("# template update\n")
+    assert (project / "configs" / "default.yaml").read_text().endswith("# mine\n")
