@@ -55,14 +55,16 @@ class HangWatchdog(Callback):
         children = _launched_children(trainer)
         if not children:
             return
-        deadline = time.monotonic() + self.grace
-        for proc in children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
+        if not timed_out:
+            # A rank that raised is already on its way out (printing its traceback): let it finish.
+            deadline = time.monotonic() + self.grace
+            for proc in children:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         alive = [proc for proc in children if proc.poll() is None]
         if not alive:
             return
-        timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
         reason = (
             f"a collective waited more than watchdog.timeout={self.timeout:g} s: another rank is hung or too slow"
             if timed_out

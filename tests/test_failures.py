@@ -1,0 +1,86 @@
+"""A DDP rank that raises, is SIGKILLed or hangs ends the whole job, non-zero, with no process of the job left."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CONFIGS, PACKAGE, cli_env
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT = 20  # --watchdog.timeout for these runs: long enough for rank 1 to start on a loaded 2-core machine
+
+
+def _session_processes(sid: int) -> list[int]:
+    """PIDs of live (non-zombie) processes in session ``sid``: every process the job started stays in it."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
+@pytest.mark.parametrize(("mode", "rank"), [("raise", 1), ("kill", 1), ("hang", 1), ("hang", 0)])
+def test_failing_rank_ends_the_job(tmp_path: Path, mode: str, rank: int) -> None:
+    record = tmp_path / "record"
+    plant = {
+        "trainer": {
+            "callbacks": [
+                {
+                    "class_path": "failure_plant.PlantedFailure",
+                    "init_args": {"mode": mode, "rank": rank, "record_dir": str(record)},
+                }
+            ]
+        }
+    }
+    (tmp_path / "plant.yaml").write_text(yaml.safe_dump(plant))
+    command = [
+        sys.executable, "-m", PACKAGE, "fit", "--config", str(CONFIGS / "ddp_cpu.yaml"), "--config", "plant.yaml",
+        f"--watchdog.timeout={TIMEOUT}", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    # A session of its own: every process the job starts can be found (and, if the test fails, cleaned up) by it.
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **pipes)
+    try:
+        try:
+            _, stderr = job.communicate(timeout=120 + TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within {120 + TIMEOUT} s after a planted {mode} on rank {rank}")
+        ended = time.time()
+        assert (record / "failed-at").is_file(), f"the planted failure never ran:\n{stderr[-3000:]}"
+        seconds = ended - float((record / "failed-at").read_text())
+        print(f"\n{mode} on rank {rank}: exit code {job.returncode}, {seconds:.1f} s from failure to job exit")
+        assert job.returncode != 0
+        assert seconds <= TIMEOUT + 10, f"job took {seconds:.1f} s to end after the failure"
+        pids = [int(p.read_text()) for p in sorted(record.glob("pid-rank*"))]
+        assert len(pids) == 2
+        deadline = time.monotonic() + 5  # the kernel may need a moment to reap a SIGKILLed process
+        while any(map(_alive, pids)) or _session_processes(job.pid):
+            assert time.monotonic() < deadline, (
+                f"processes of the job still running: ranks {[p for p in pids if _alive(p)]}, "
+                f"session {_session_processes(job.pid)}"
+            )
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=10)
