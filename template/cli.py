@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 import sys
 import warnings
@@ -15,10 +16,13 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+from template.checkpoint_io import AtomicCheckpointIO
 from template.errors import ConfigError
 from template.model import Classifier
 from template.predictions import PredictionWriter
+from template.resume import RNGStateCheckpoint, find_last_checkpoint
 from template.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
+from template.watchdog import HangWatchdog
 
 # Lightning resolves these names itself instead of reading a file.
 _SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
@@ -74,6 +78,7 @@ class CLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(HangWatchdog, "watchdog")
         parser.set_defaults(
             {
                 "data": {"class_path": "template.data.DigitsDataModule"},
@@ -96,12 +101,55 @@ class CLI(LightningCLI):
         trainer_config = self._get(self.config_init, "trainer", default={})
         if trainer_config.get("logger") in (None, True):
             kwargs.setdefault("logger", _default_loggers(trainer_config.get("default_root_dir")))
+        if trainer_config.get("plugins") is None:
+            # Checkpoints are written atomically beside their target and loaded weights-only.
+            kwargs.setdefault("plugins", [AtomicCheckpointIO()])
         try:
             # Before Lightning's own accelerator checks, whose messages cannot point to the CPU alternative.
             check_dp_trainer_config(trainer_config)
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError) as err:
             raise ConfigError(f"invalid trainer settings: {_one_line(err)}") from None
+        except TypeError as err:
+            if "devices" not in str(err):
+                raise
+            raise ConfigError(
+                f"trainer.devices={trainer_config.get('devices')!r} is not valid on the CPU: CPU devices are a number "
+                "of processes (>= 1), not indices; set e.g. --trainer.devices=2"
+            ) from None
+        for callback in trainer.callbacks:
+            if isinstance(callback, HangWatchdog):
+                callback.arm(trainer)
+        return trainer
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            # jsonargparse wraps a ConfigError raised by a model or DataModule constructor in its own message.
+            cause = _config_error_in(err)
+            if cause is None:
+                raise
+            raise cause from None
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the checkpoint here, at parse time: resolve `last` and check the file before it does.
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else None
+        ckpt_path = config.get("ckpt_path") if config is not None else None
+        if ckpt_path == "last":
+            root = config.get("trainer.default_root_dir") or "."
+            config["ckpt_path"] = ckpt_path = find_last_checkpoint(root, config.get("checkpoint.dirpath"))
+            rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
+        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not _is_file(ckpt_path):
+            raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
+        try:
+            super()._parse_ckpt_path()
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+            raise ConfigError(
+                f"checkpoint '{ckpt_path}' cannot be loaded ({_one_line(err)[:200]}); it is truncated, corrupt or not "
+                "a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project"
+            ) from None
 
     def _check_ckpt_path(self) -> None:
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
@@ -156,18 +204,37 @@ def _is_file(path: str) -> bool:
     return Path(path).is_file()
 
 
+def _config_error_in(err: BaseException) -> ConfigError | None:
+    """The ConfigError that caused ``err``, if any, following the exception chain."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, ConfigError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``python -m template`` and of the ``template`` console script."""
     # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # Evaluating a checkpoint logs into a new version folder; Lightning warns that the old folder is not reused.
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    argv = sys.argv[1:] if args is None else list(args)
     try:
+        if argv[:1] == ["export"]:
+            from template.export import main as export_main  # a plain-PyTorch command: no Trainer, no LightningCLI
+
+            export_main(argv[1:])
+            return
         CLI(
             Classifier,
             LightningDataModule,
             subclass_mode_data=True,
             seed_everything_default=1234,
+            # Random states travel in every checkpoint so that a resumed run continues exactly.
+            trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
             args=args,
         )
     except ConfigError as err:
