@@ -6,12 +6,15 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
 from cookiecutter_bake.answers import AnswerError, package_folder
 from cookiecutter_bake.files import live_files, templated_files
 from cookiecutter_bake.rename import Renamer
+from cookiecutter_bake.wrap import rewrap
 
 # Needed to bake, not to use a baked project: dropped from its pyproject.toml.
 BAKE_ONLY_DEPENDENCIES = ("cookiecutter", "cruft", "pytest-cookies")
@@ -53,6 +56,7 @@ def refuse_overwrites(root: Path, answers: Mapping[str, object], project_dir: Pa
 def copy_live_files(root: Path, project_dir: Path, answers: Mapping[str, object]) -> None:
     """Copy every live file into ``project_dir``, renamed; binary files byte for byte, modes kept."""
     rename = renamer(root, answers)
+    limit = line_length(root)
     for src_rel, dst_rel in plan(root, answers).items():
         src, dst = root / src_rel, project_dir / dst_rel
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -63,13 +67,20 @@ def copy_live_files(root: Path, project_dir: Path, answers: Mapping[str, object]
         text = _as_text(data)
         if text is not None:
             suffix = src_rel.suffix if src_rel.suffix in _TEXT_SUFFIXES_WITH_RULES else ""
-            text = rename.text(text, suffix)
+            renamed = rename.text(text, suffix)
+            text = rewrap(text, renamed, limit) if suffix == ".py" else renamed
             if src_rel == PurePosixPath("pyproject.toml"):
                 text = rewrite_pyproject(text, answers)
             data = text.encode("utf-8")
         with open(dst, "xb") as f:  # never replaces a file: refuse_overwrites ran in pre_gen
             f.write(data)
         shutil.copymode(src, dst)
+
+
+def line_length(root: Path) -> int:
+    """The project's lint line length (``[tool.ruff] line-length``), ruff's default when unset."""
+    match = re.search(r"(?m)^line-length\s*=\s*(\d+)", (root / "pyproject.toml").read_text(encoding="utf-8"))
+    return int(match.group(1)) if match else 88
 
 
 def _as_text(data: bytes) -> str | None:
@@ -132,8 +143,39 @@ def readme_body(root: Path, answers: Mapping[str, object]) -> str:
 
 
 def finish(project_dir: Path, answers: Mapping[str, object]) -> None:
-    """Remove what the templated folder renders empty on purpose (LICENSE when the answer is 'none')."""
+    """Drop what renders empty on purpose (LICENSE for 'none'); re-sort imports and re-wrap lines for the new name."""
     for rel in ("LICENSE",):
         path = project_dir / rel
         if path.is_file() and not path.read_text(encoding="utf-8").strip():
             path.unlink()
+    _ruff(project_dir)
+
+
+def _ruff(project_dir: Path) -> None:
+    """A name of another length moves line breaks and import order; ruff puts them where the project's lint wants.
+
+    ruff comes with the template's dev extra; without it the bake still works, and says what to run.
+    """
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if not ruff:
+        print(f"note: ruff not found; run `ruff check --fix . && ruff format .` once in {project_dir}", file=sys.stderr)
+        return
+    for command in (["check", "--fix", "--select", "I"], ["format"]):
+        _run([ruff, *command, "--quiet", "."], project_dir)
+    # What formatting cannot fix: a longer name pushing a comment or docstring past the line length.
+    long_lines = _run([ruff, "check", "--select", "E501", "--output-format", "concise", "--quiet", "."], project_dir)
+    if long_lines:
+        first = long_lines.splitlines()[0].split(": ")[0]
+        count = len(long_lines.splitlines())
+        print(
+            f"note: with this package name {count} line(s) exceed the lint's line length (first: {first}); "
+            "shorten them, or bake again with a shorter package_name",
+            file=sys.stderr,
+        )
+
+
+def _run(command: list[str], cwd: Path) -> str:
+    try:
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as err:
+        return str(err)

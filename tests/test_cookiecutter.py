@@ -26,6 +26,7 @@ from tests.conftest import REPO, cli_env
 OLD = template.__name__
 sys.path.insert(0, str(REPO))  # the cookiecutter-only package, for the rename unit test
 from cookiecutter_bake.rename import Renamer  # noqa: E402
+from cookiecutter_bake.wrap import rewrap  # noqa: E402
 
 # What a module reference to the old package looks like; prose such as "a template." is not one.
 LEFTOVER = re.compile(
@@ -133,6 +134,20 @@ def test_renamer_changes_module_references_and_leaves_prose() -> None:
     assert tomllib.loads(toml) == {"project": {"name": "my-lab", "scripts": {"lab": "lab.cli:main"}}}
 
 
+def test_longer_name_rewraps_prose_past_the_line_length() -> None:
+    docstring = f'    """Run ``python -m {OLD} fit --config configs/x.yaml``'.ljust(115, "w") + '"""'
+    comment = f"    # see ``python -m {OLD} fit``".ljust(118, "w")
+    code = f"    x = '{OLD}'  # the author's own long line".ljust(130, "!")
+    before = "\n".join(["def f():", docstring, comment, code]) + "\n"
+    after = before.replace(OLD, "a_much_longer_package_name")
+    wrapped = rewrap(before, after, 120)
+    compile(wrapped, "wrapped.py", "exec")
+    lines = wrapped.splitlines()
+    assert len(lines) == 6 and all(len(line) <= 120 for line in lines[:-1])
+    assert lines[3].startswith("    # ") and lines[4].startswith("    # ")
+    assert lines[-1] == after.splitlines()[-1]  # code is left to ruff format
+
+
 def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) -> None:
     project = default_bake
     package = "lightning_project"
@@ -187,7 +202,9 @@ def test_custom_bake_trains_and_passes_its_own_tests(custom_bake: Path) -> None:
     # Every test module of the baked suite imports under the new name; a fast part of it runs.
     collect = run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], project, **env)
     assert collect.returncode == 0 and " tests collected" in collect.stdout, collect.stdout[-2000:]
-    fast = [f"tests/{name}" for name in ("test_nets.py", "test_model.py") if (project / "tests" / name).is_file()]
+    fast = [
+        f"tests/{n}" for n in ("test_nets.py", "test_model.py", "test_lint.py") if (project / "tests" / n).is_file()
+    ]
     tests = run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *fast], project, 300, **env)
     assert tests.returncode == 0, tests.stdout[-3000:]
 
