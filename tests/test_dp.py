@@ -152,6 +152,7 @@ def test_dp_without_a_gpu_points_to_the_cpu_config(run_cli, tmp_path: Path) -> N
             r"trainer.accelerator is 'cpu'; set trainer.accelerator=gpu.*configs/ddp_cpu.yaml",
         ),
         ("--trainer.num_nodes=2", r"trainer.num_nodes is 2; set trainer.num_nodes=1, or use strategy ddp"),
+        ("--trainer.sync_batchnorm=true", r"sync_batchnorm=true needs one process per GPU \(strategy ddp\)"),
     ],
 )
 def test_settings_dp_cannot_run(run_cli, override: str, expected: str) -> None:

@@ -51,8 +51,18 @@ class StepRecorder(Callback):
 
 def model() -> Classifier:
     seed_everything(11)
-    # No dropout: the replicas' random masks would differ from the single device's.
-    return Classifier(MLP(input_shape=(1, 8, 8), num_classes=10, dropout=0.0), num_classes=10)
+    # No dropout: the replicas' random masks would differ from the single device's. SGD, not Adam: Adam's first
+    # step is +-lr for any gradient, so float noise on a near-zero gradient would flip a weight by 2 * lr.
+    net = MLP(input_shape=(1, 8, 8), num_classes=10, dropout=0.0)
+    return Classifier(net, num_classes=10, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def digits_loader(tmp_path: Path, batch_size: int = 64) -> DataLoader:
+    """The digits training split in a fixed order, so both runs see the same batches."""
+    data = DigitsDataModule(data_dir=str(tmp_path / "data"))
+    data.prepare_data()
+    data.setup("fit")
+    return DataLoader(data.splits["train"], batch_size=batch_size)
 
 
 def train(tmp_path: Path, devices, strategy: str, loader=None, precision: str = "32-true", steps: int = 1):  # noqa: ANN001, ANN201
@@ -72,10 +82,7 @@ def train(tmp_path: Path, devices, strategy: str, loader=None, precision: str = 
         callbacks=[recorder],
         default_root_dir=tmp_path,
     )
-    if loader is None:
-        trainer.fit(net, datamodule=DigitsDataModule(data_dir=str(tmp_path / "data"), batch_size=64))
-    else:
-        trainer.fit(net, train_dataloaders=loader)
+    trainer.fit(net, train_dataloaders=loader if loader is not None else digits_loader(tmp_path))
     return net, recorder
 
 
@@ -133,7 +140,12 @@ def test_validation_metrics_equal_single_device(tmp_path: Path) -> None:
     results = {}
     for name, devices, strategy in (("single", 1, "auto"), ("dp", TWO_GPUS, "dp")):
         trainer = Trainer(
-            accelerator="gpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False
+            accelerator="gpu",
+            devices=devices,
+            strategy=strategy,
+            logger=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path / name,
         )
         results[name] = trainer.validate(model(), datamodule=DigitsDataModule(data_dir=str(tmp_path / "data")))[0]
     assert results["dp"].keys() == results["single"].keys() == {"val_loss", "val_acc"}

@@ -94,9 +94,9 @@ class DataParallelStrategy(ParallelStrategy):
         return None
 
     def set_world_ranks(self) -> None:
-        """Check the settings: the connector calls this once it has set the accelerator, devices and num_nodes."""
+        """Check the settings: the connector calls this once it has set the accelerator, devices, num_nodes and sync."""
         devices = [device.index for device in self.parallel_devices or []]
-        check_dp_settings(self.accelerator, devices, self.num_nodes)
+        check_dp_settings(self.accelerator, devices, self.num_nodes, sync_batchnorm=self._layer_sync is not None)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -167,19 +167,30 @@ def check_dp_trainer_config(trainer: Mapping[str, Any]) -> None:
     """Before the Trainer is built: if ``trainer`` selects dp, raise ConfigError unless this machine can run it."""
     if is_dp(trainer.get("strategy")):
         check_dp_settings(
-            trainer.get("accelerator", "auto"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
+            trainer.get("accelerator", "auto"),
+            trainer.get("devices", "auto"),
+            trainer.get("num_nodes", 1),
+            sync_batchnorm=bool(trainer.get("sync_batchnorm")),
         )
 
 
-def check_dp_settings(accelerator: str | Accelerator | None, devices: Any, num_nodes: int) -> None:
+def check_dp_settings(
+    accelerator: str | Accelerator | None, devices: Any, num_nodes: int, sync_batchnorm: bool = False
+) -> None:
     """Raise ConfigError naming the bad value and the fix when dp cannot run with these Trainer settings."""
+    if sync_batchnorm:
+        # torch's SyncBatchNorm works only between DDP processes; ignoring the flag would be a silent fallback.
+        raise ConfigError(
+            "trainer.sync_batchnorm=true needs one process per GPU (strategy ddp); under strategy dp each GPU's "
+            "BatchNorm sees its slice of the batch: set trainer.sync_batchnorm=false or use strategy ddp"
+        )
     if num_nodes != 1:
         raise ConfigError(
             f"strategy dp runs in one process on one machine but trainer.num_nodes is {num_nodes}; "
             "set trainer.num_nodes=1, or use strategy ddp to train over several nodes"
         )
     if isinstance(accelerator, Accelerator):
-        accelerator = "cuda" if isinstance(accelerator, CUDAAccelerator) else type(accelerator).__name__
+        accelerator = "cuda" if isinstance(accelerator, CUDAAccelerator) else accelerator.name()
     if str(accelerator).lower() not in ("gpu", "cuda", "auto"):
         raise ConfigError(
             f"strategy dp splits batches over CUDA GPUs but trainer.accelerator is {accelerator!r}; set "
