@@ -204,9 +204,10 @@ class Recorder(Callback):
         self.seen: list[tuple[type, bool, list[str]]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-        self.seen.append(
-            (type(pl_module.net), pl_module.net.module is pl_module._modules["net"], list(pl_module.state_dict()))
-        )
+        child = pl_module._modules["net"]
+        # The wrapper holds the registered child itself, and attribute lookups still reach into it.
+        same = pl_module.net.module is child and pl_module.net.layers is child.layers
+        self.seen.append((type(pl_module.net), same, list(pl_module.state_dict())))
 
 
 def digits(tmp_path: Path, batch_size: int = 32) -> DigitsDataModule:

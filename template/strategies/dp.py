@@ -29,6 +29,15 @@ class ParallelForward(nn.DataParallel):
         device_type = self.src_device_obj.type
         return super().parallel_apply([under_callers_autocast(r, device_type) for r in replicas], inputs, kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        # User code reaching into the network (`self.net.encoder`) keeps working while it is wrapped.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":  # not set yet (half-built copy): looking inside it would recurse
+                raise
+            return getattr(self.module, name)
+
 
 def under_callers_autocast(module: Callable[..., Any], device_type: str) -> Callable[..., Any]:
     """``module`` as a callable that, from any thread, runs under the autocast state of the thread that wrapped it."""
@@ -123,8 +132,8 @@ class DataParallelStrategy(ParallelStrategy):
         devices = len(self.parallel_devices or [])
         if batch_size is not None and batch_size < devices:
             raise ConfigError(
-                f"the batch size is {batch_size} but strategy dp splits every batch over {devices} GPUs; "
-                f"raise it to at least {devices} (e.g. --data.batch_size={devices * 32}), or list fewer trainer.devices"
+                f"the batch size is {batch_size} but strategy dp splits every batch over {devices} GPUs; raise "
+                f"data.batch_size to at least {devices} (a multiple of {devices} splits evenly) or list fewer devices"
             )
         return dataloader
 
