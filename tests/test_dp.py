@@ -139,8 +139,12 @@ def test_print_config_shows_dp(run_cli) -> None:
 
 
 def test_dp_without_a_gpu_points_to_the_cpu_config(run_cli, tmp_path: Path) -> None:
-    line = one_line_error(run_cli("fit", "--config", CONFIGS / "dp.yaml"))
-    assert "CUDA GPUs" in line and "torch.cuda.device_count() is 0" in line and "configs/ddp_cpu.yaml" in line
+    # GPUs hidden, so that the test means the same on a machine that has some.
+    line = one_line_error(run_cli("fit", "--config", CONFIGS / "dp.yaml", env=cli_env(CUDA_VISIBLE_DEVICES="")))
+    assert (
+        "needs CUDA GPUs but this process sees none (torch.cuda.device_count() is 0, CUDA_VISIBLE_DEVICES='')" in line
+    )
+    assert "to train data-parallel on CPU use --config configs/ddp_cpu.yaml" in line
     assert not (tmp_path / "lightning_logs").exists()  # refused before anything was written
 
 

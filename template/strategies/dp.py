@@ -206,15 +206,16 @@ def check_dp_settings(
             f"trainer.accelerator=gpu, or train data-parallel on CPU processes with --config {CPU_ALTERNATIVE}"
         )
     visible = torch.cuda.device_count()
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible == 0:
+        note = f", CUDA_VISIBLE_DEVICES={hidden!r}" if hidden is not None else ""
         raise ConfigError(
-            "strategy dp needs CUDA GPUs but this process sees none (torch.cuda.device_count() is 0); "
+            f"strategy dp needs CUDA GPUs but this process sees none (torch.cuda.device_count() is 0{note}); "
             f"to train data-parallel on CPU use --config {CPU_ALTERNATIVE} (strategy ddp over CPU processes)"
         )
     missing = [index for index in _requested_gpus(devices, visible) if not 0 <= index < visible]
     if missing:
-        renumbered = os.environ.get("CUDA_VISIBLE_DEVICES")
-        note = f" (CUDA_VISIBLE_DEVICES={renumbered} renumbers them from 0)" if renumbered else ""
+        note = f" (CUDA_VISIBLE_DEVICES={hidden} renumbers them from 0)" if hidden else ""
         raise ConfigError(
             f"trainer.devices={devices} asks for GPU index {', '.join(map(str, missing))} but this process sees "
             f"{visible} GPU(s), indices {list(range(visible))}{note}; list only those"
