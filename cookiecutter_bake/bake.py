@@ -19,6 +19,7 @@ from cookiecutter_bake.wrap import rewrap
 # Needed to bake, not to use a baked project: dropped from its pyproject.toml.
 BAKE_ONLY_DEPENDENCIES = ("cookiecutter", "cruft", "pytest-cookies")
 _TEXT_SUFFIXES_WITH_RULES = (".py", ".pyi", ".toml", ".cfg")
+_SHELL_SUFFIXES = (".sh", ".bash", ".zsh", ".sbatch", ".slurm", ".pbs", ".lsf")
 
 
 def renamer(root: Path, answers: Mapping[str, object]) -> Renamer:
@@ -66,7 +67,7 @@ def copy_live_files(root: Path, project_dir: Path, answers: Mapping[str, object]
         data = src.read_bytes()
         text = _as_text(data)
         if text is not None:
-            suffix = src_rel.suffix if src_rel.suffix in _TEXT_SUFFIXES_WITH_RULES else ""
+            suffix = _kind(src_rel, text)
             renamed = rename.text(text, suffix)
             text = rewrap(text, renamed, limit) if suffix == ".py" else renamed
             if src_rel == PurePosixPath("pyproject.toml"):
@@ -75,6 +76,13 @@ def copy_live_files(root: Path, project_dir: Path, answers: Mapping[str, object]
         with open(dst, "xb") as f:  # never replaces a file: refuse_overwrites ran in pre_gen
             f.write(data)
         shutil.copymode(src, dst)
+
+
+def _kind(rel: PurePosixPath, text: str) -> str:
+    """The suffix whose extra rename rules apply: ".py", ".toml", ".cfg", ".sh" (also for a shebang), or none."""
+    if rel.suffix in _SHELL_SUFFIXES or re.match(r"#![^\n]*\b(?:ba|z|da)?sh\b", text):
+        return ".sh"
+    return rel.suffix if rel.suffix in _TEXT_SUFFIXES_WITH_RULES else ""
 
 
 def line_length(root: Path) -> int:
@@ -160,10 +168,12 @@ def _ruff(project_dir: Path) -> None:
     if not ruff:
         print(f"note: ruff not found; run `ruff check --fix . && ruff format .` once in {project_dir}", file=sys.stderr)
         return
-    for command in (["check", "--fix", "--select", "I"], ["format"]):
+    for command in (["check", "--fix", "--select", "I", "--no-cache"], ["format", "--no-cache"]):
         _run([ruff, *command, "--quiet", "."], project_dir)
     # What formatting cannot fix: a longer name pushing a comment or docstring past the line length.
-    long_lines = _run([ruff, "check", "--select", "E501", "--output-format", "concise", "--quiet", "."], project_dir)
+    long_lines = _run(
+        [ruff, "check", "--no-cache", "--select", "E501", "--output-format", "concise", "--quiet", "."], project_dir
+    )
     if long_lines:
         first = long_lines.splitlines()[0].split(": ")[0]
         count = len(long_lines.splitlines())

@@ -42,16 +42,20 @@ class Renamer:
         self._quoted = re.compile(rf"([\"']){o}(\*?)(?=\1)")
         self._toml_name = re.compile(rf"(?m)^([ \t]*name[ \t]*=[ \t]*)([\"']){o}\2")
         self._toml_key = re.compile(rf"(?m)^([ \t]*){o}(?=[ \t]*=)")
+        # Shell: `PACKAGE=template`, `#SBATCH --job-name=template`.
+        self._shell_value = re.compile(rf"(=){o}(?![\w.-])")
 
     def text(self, text: str, suffix: str = "") -> str:
-        """``text`` with its references to the package renamed; ``suffix`` (".py", ".toml", ...) picks extra rules."""
+        """``text`` with its references to the package renamed; ``suffix`` (".py", ".toml", ".sh") picks extra rules."""
         if self.old not in text:
             return text
         if suffix == ".toml":
             text = self._toml_name.sub(lambda m: f"{m.group(1)}{m.group(2)}{self.slug}{m.group(2)}", text)
             text = self._toml_key.sub(lambda m: m.group(1) + self.new, text)
-        if suffix in (".toml", ".py", ".pyi", ".cfg"):
+        if suffix in (".toml", ".py", ".pyi", ".cfg", ".sh"):
             text = self._quoted.sub(lambda m: f"{m.group(1)}{self.new}{m.group(2)}", text)
+        if suffix == ".sh":
+            text = self._shell_value.sub(lambda m: m.group(1) + self.new, text)
         for pattern in self._rules:
             text = pattern.sub(lambda m: m.group(1) + self.new, text)
         return text

@@ -31,7 +31,7 @@ from cookiecutter_bake.wrap import rewrap  # noqa: E402
 # What a module reference to the old package looks like; prose such as "a template." is not one.
 LEFTOVER = re.compile(
     rf"(?<![\w.-]){OLD}\.[A-Za-z_]|(?:-m|import|from)[ \t]+{OLD}\b|[\"']{OLD}\*?[\"']|(?<![\w.-]){OLD}/"
-    rf"|`{OLD}`|--cov[= ]{OLD}\b|\"-m\",\s*\"{OLD}\""
+    rf"|`{OLD}`|--cov[= ]{OLD}\b|\"-m\",\s*\"{OLD}\"|={OLD}(?![\w.-])"
 )
 BAKE_ONLY = ["cookiecutter.json", "hooks", "cookiecutter_bake", "{{cookiecutter.project_slug}}"]
 CUSTOM = {
@@ -50,6 +50,7 @@ def _config(tmp: Path) -> Path:
     """A cookiecutter user config that keeps clones and replay files inside the test's folder."""
     path = tmp / "cookiecutterrc.yaml"
     if not path.exists():
+        tmp.mkdir(parents=True, exist_ok=True)
         path.write_text(f"cookiecutters_dir: {tmp / 'clones'}\nreplay_dir: {tmp / 'replay'}\n")
     return path
 
@@ -130,6 +131,8 @@ def test_renamer_changes_module_references_and_leaves_prose() -> None:
     ]
     assert after.splitlines()[-1] == before.splitlines()[-1]  # prose and other names untouched
     assert rename.text(after, ".py") == after  # renaming twice changes nothing
+    shell = rename.text(f'PACKAGE={OLD}\n#SBATCH --job-name={OLD}\npython -m "{OLD}"\n', ".sh")
+    assert shell == 'PACKAGE=lab\n#SBATCH --job-name=lab\npython -m "lab"\n'
     toml = rename.text(f'[project]\nname = "{OLD}"\n[project.scripts]\n{OLD} = "{OLD}.cli:main"\n', ".toml")
     assert tomllib.loads(toml) == {"project": {"name": "my-lab", "scripts": {"lab": "lab.cli:main"}}}
 
@@ -295,20 +298,32 @@ def test_relative_path_dot_and_replay(tmp_path: Path) -> None:
     assert leftovers(tmp_path / "b" / "dot-bake") == []
 
 
-def _snapshot_repo(dest: Path) -> Path:
-    """A git repository holding the live tree as it is now (committed or not), as a remote would serve it."""
+def _copy_live_tree(dest: Path) -> Path:
+    """The live tree as it is now (committed or not), without .git: what a zip or a plain copy holds."""
     files = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], REPO).stdout.split("\0")
     for name in filter(None, files):
         if (REPO / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, dest / name)
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
-        assert run(["git", *args], dest).returncode == 0
+    (dest / "lightning_logs" / "version_0").mkdir(parents=True)  # clutter a plain copy may carry
+    (dest / "lightning_logs" / "version_0" / "metrics.csv").write_text("epoch\n0\n")
     return dest
 
 
+def test_plain_folder_without_git(tmp_path: Path) -> None:
+    project = bake(tmp_path / "out", _copy_live_tree(tmp_path / "plain"), package_name="walked")
+    assert sorted(p.relative_to(project) for p in project.rglob("*") if p.is_file()) == sorted(
+        p.relative_to(tmp_path / "baseline" / "lightning-project")
+        for p in bake(tmp_path / "baseline", package_name="walked").rglob("*")
+        if p.is_file()
+    )
+    assert not (project / "lightning_logs").exists() and leftovers(project) == []
+
+
 def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
-    remote = _snapshot_repo(tmp_path / "remote")
+    remote = _copy_live_tree(tmp_path / "remote")
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
+        assert run(["git", *args], remote).returncode == 0
     config = _config(tmp_path)
     url = f"git+file://{remote}"
     cloned = run(
@@ -327,6 +342,7 @@ def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
     assert created.returncode == 0, created.stderr[-2000:]
     project = tmp_path / "cruft" / "lightning-project"
     assert (project / "via_cruft" / "cli.py").is_file() and leftovers(project) == []
+    assert "python -m via_cruft fit" in (project / "README.md").read_text()
     assert json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["package_name"] == "via_cruft"
 
     # The template moves on while the user edits their project; `cruft update` merges both.
