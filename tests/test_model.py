@@ -63,3 +63,14 @@ def test_net_output_size_mismatch_is_explained():
     model = Classifier(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), num_classes=10)
     with pytest.raises(ConfigError, match="returns 3 logits per sample but model.num_classes is 10"):
         model._logits_and_loss(_batch())
+
+
+def test_checkpoint_of_a_hand_built_model_loads_with_weights_only(tmp_path):
+    from lightning.pytorch import Trainer
+
+    model = Classifier(MLP((1, 8, 8), 10), num_classes=10)
+    trainer = Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(tmp_path / "hand.ckpt")
+    checkpoint = torch.load(tmp_path / "hand.ckpt", weights_only=True)
+    assert checkpoint["hyper_parameters"] == {"num_classes": 10}
