@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import sys
@@ -9,18 +10,19 @@ import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from template.checkpoint_io import AtomicCheckpointIO
 from template.errors import ConfigError
 from template.model import Classifier
 from template.predictions import PredictionWriter
 from template.resume import RNGStateCheckpoint, find_last_checkpoint
+from template.scaling import BatchScaling
 from template.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 from template.watchdog import HangWatchdog
 
@@ -78,6 +80,7 @@ class CLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(BatchScaling, "scaling")
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
         parser.set_defaults(
             {
@@ -108,8 +111,13 @@ class CLI(LightningCLI):
             # Before Lightning's own accelerator checks, whose messages cannot point to the CPU alternative.
             check_dp_trainer_config(trainer_config)
             trainer = super().instantiate_trainer(**kwargs)
+            # Lightning compares devices x num_nodes with what torchrun or SLURM started only inside fit, with a
+            # traceback from every process: compare them here, where the mismatch becomes one line.
+            launcher = getattr(trainer.strategy, "launcher", None)
+            if getattr(launcher, "cluster_environment", None) is not None:
+                launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
         except (MisconfigurationException, ValueError) as err:
-            raise ConfigError(f"invalid trainer settings: {_one_line(err)}") from None
+            raise ConfigError(_explain_trainer_error(_one_line(err))) from None
         except TypeError as err:
             if "devices" not in str(err):
                 raise
@@ -156,17 +164,28 @@ class CLI(LightningCLI):
         if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not _is_file(ckpt_path):
             raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
 
+    def _apply_global_batch(self) -> None:
+        # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
+        # does not divide is reported once and the DataModule sees its per-process batch from the start.
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, BatchScaling):
+                callback.apply_batch_size(self.trainer, self.datamodule)
+
     def before_fit(self) -> None:
         self._check_ckpt_path()
+        self._apply_global_batch()
 
     def before_validate(self) -> None:
         self._check_ckpt_path()
+        self._apply_global_batch()
 
     def before_test(self) -> None:
         self._check_ckpt_path()
+        self._apply_global_batch()
 
     def before_predict(self) -> None:
         self._check_ckpt_path()
+        self._apply_global_batch()
         self.trainer.callbacks.append(PredictionWriter())
 
     def after_predict(self) -> None:
@@ -190,6 +209,20 @@ def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the inst
         return list(value) if isinstance(value, tuple) else value
 
     return read
+
+
+def _explain_trainer_error(text: str) -> str:
+    """Lightning's complaint about the Trainer settings; GPU indices are explained against the visible GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    note = f" (CUDA_VISIBLE_DEVICES={visible} hides the others and renumbers these from 0)" if visible else ""
+    if m := re.search(r"You requested gpu: (\[.*?\]) But your machine only has: (\[.*?\])", text):
+        return (
+            f"trainer.devices asks for GPU index(es) {m.group(1)} but the GPUs visible to this process are "
+            f"{m.group(2)}{note}; list only those, or set `devices: N` for the first N"
+        )
+    if "No supported gpu backend found" in text or "GPUs requested but none are available" in text:
+        return f"trainer.accelerator asks for a GPU but this process sees none{note}; use accelerator cpu or auto"
+    return f"invalid trainer settings: {text}"
 
 
 def _default_loggers(root: str | None) -> list:

@@ -1,0 +1,228 @@
+"""One global batch size for every strategy, the learning rate scaled to it, and a summary of the run."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from template.errors import ConfigError
+
+LRScaling = Literal["none", "linear", "sqrt"]
+
+# Every learning rate a schedule keeps in the optimizer's param groups (OneCycleLR keeps max_lr and min_lr there).
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+# ...and on the scheduler itself (CyclicLR keeps max_lrs). Floors such as ReduceLROnPlateau's min_lrs stay absolute.
+_SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs", "_last_lr")
+
+
+def per_process_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
+    """The DataLoader batch of one process such that one optimizer step sees ``global_batch_size`` samples."""
+    shares = world_size * accumulate_grad_batches
+    if global_batch_size % shares:
+        below = global_batch_size - global_batch_size % shares
+        raise ConfigError(
+            f"scaling.global_batch_size={global_batch_size} does not split into {world_size} process(es) x "
+            f"{accumulate_grad_batches} accumulation step(s) = {shares} equal parts; use a multiple of {shares}, "
+            f"e.g. {below or shares} or {below + shares}"
+        )
+    return global_batch_size // shares
+
+
+def lr_factor(rule: LRScaling, effective_batch_size: int, reference_batch_size: int | None) -> float:
+    """How much the base learning rate is multiplied by for ``effective_batch_size`` under ``rule``."""
+    if rule == "none" or reference_batch_size is None:
+        return 1.0
+    ratio = effective_batch_size / reference_batch_size
+    return ratio if rule == "linear" else math.sqrt(ratio)
+
+
+def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], schedulers: Iterable[Any], factor: float) -> None:
+    """Multiply every learning rate held by the optimizers and their schedulers by ``factor``, in place."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for key in _GROUP_LR_KEYS:
+                if key in group:
+                    group[key] = _times(group[key], factor)
+    pending = list(schedulers)
+    while pending:
+        scheduler = pending.pop()
+        # SequentialLR and ChainedScheduler hold the schedulers that do the work.
+        pending.extend(getattr(scheduler, "_schedulers", []))
+        for attribute in _SCHEDULER_LR_ATTRIBUTES:
+            values = getattr(scheduler, attribute, None)
+            if isinstance(values, list):
+                setattr(scheduler, attribute, [_times(v, factor) for v in values])
+
+
+def _times(value: Any, factor: float) -> Any:
+    # A tensor learning rate (capturable/fused optimizers) must stay the same tensor object.
+    return value.mul_(factor) if isinstance(value, torch.Tensor) else value * factor
+
+
+class BatchScaling(Callback):
+    """States the batch once for every strategy, scales the learning rate to it, and records the run summary."""
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        lr_scaling: LRScaling = "none",
+        reference_batch_size: int | None = None,
+    ) -> None:
+        """
+        Args:
+            global_batch_size: samples per optimizer step, summed over all processes and accumulation steps. Each
+                process then loads global / (world size x accumulate_grad_batches); under DataParallel (one
+                process) the whole batch is loaded and split across the devices. None keeps ``data.batch_size``
+                as the batch of each process (the per-device form under DDP).
+            lr_scaling: multiply the optimizer's learning rate by effective / reference batch size (``linear``),
+                by its square root (``sqrt``), or leave it (``none``).
+            reference_batch_size: the batch size the configured learning rate was tuned for.
+        """
+        super().__init__()
+        for name, value in (("global_batch_size", global_batch_size), ("reference_batch_size", reference_batch_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"scaling.{name} must be a positive integer, got {value}")
+        if lr_scaling != "none" and reference_batch_size is None:
+            raise ConfigError(
+                f"scaling.lr_scaling={lr_scaling} needs scaling.reference_batch_size, the batch size the learning "
+                "rate was tuned for; set it, e.g. --scaling.reference_batch_size=64"
+            )
+        self.global_batch_size = global_batch_size
+        self.lr_scaling = lr_scaling
+        self.reference_batch_size = reference_batch_size
+        self.summary: dict[str, Any] = {}
+        # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
+        self._applied_factor = 1.0
+
+    def apply_batch_size(self, trainer: Trainer, datamodule: Any) -> int | None:
+        """Set ``datamodule.batch_size`` from the global batch (idempotent); returns the per-process batch."""
+        name = type(datamodule).__name__
+        if self.global_batch_size is None:
+            batch = getattr(datamodule, "batch_size", None)
+            if self.lr_scaling != "none" and not isinstance(batch, int):
+                raise ConfigError(
+                    f"scaling.lr_scaling={self.lr_scaling} needs the batch size, but {name} has no integer "
+                    "`batch_size` attribute; set scaling.global_batch_size"
+                )
+            return batch
+        if not hasattr(datamodule, "batch_size"):
+            raise ConfigError(
+                f"scaling.global_batch_size needs a DataModule with a `batch_size` attribute that its dataloaders "
+                f"use; {name} has none: add one or set scaling.global_batch_size=null"
+            )
+        batch = per_process_batch_size(self.global_batch_size, trainer.world_size, trainer.accumulate_grad_batches)
+        # A data.batch_size other than the constructor's default was set on purpose: it would be silently replaced.
+        default = _default_batch_size(datamodule)
+        if default is not None and datamodule.batch_size not in (batch, default):
+            raise ConfigError(
+                f"data.batch_size={datamodule.batch_size} and scaling.global_batch_size={self.global_batch_size} "
+                f"both set the batch (the global one gives {batch} per process); keep one of them"
+            )
+        datamodule.batch_size = batch
+        return batch
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Also reached without the command line, when this callback is given to a Trainer directly.
+        if trainer.datamodule is not None:
+            self.apply_batch_size(trainer, trainer.datamodule)
+        # Fresh optimizers hold the base LR; a checkpoint restored later brings its own factor (load_state_dict).
+        self._applied_factor = 1.0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Runs after Lightning restored the optimizer from a checkpoint: rescaling relative to the factor that
+        # checkpoint already holds applies the rule once, however often the run is resumed.
+        datamodule = trainer.datamodule
+        per_process = getattr(datamodule, "batch_size", None) if datamodule is not None else None
+        shares = trainer.world_size * trainer.accumulate_grad_batches
+        effective = per_process * shares if isinstance(per_process, int) else None
+        factor = lr_factor(self.lr_scaling, effective, self.reference_batch_size) if effective else 1.0
+        if factor != self._applied_factor:
+            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+            scale_learning_rates(trainer.optimizers, schedulers, factor / self._applied_factor)
+            self._applied_factor = factor
+        self.summary = run_summary(trainer, per_process, effective, self)
+        rank_zero_info(format_summary(self.summary))
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"run": self.summary})
+            logger.save()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr_factor": self._applied_factor, "summary": self.summary}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._applied_factor = float(state_dict.get("lr_factor", 1.0))
+
+
+def run_summary(trainer: Trainer, per_process: int | None, effective: int | None, scaling: BatchScaling) -> dict:
+    """What this run really does, in plain types so it fits in a checkpoint and in hparams.yaml."""
+    devices_per_process = max(1, trainer.num_devices * trainer.num_nodes // trainer.world_size)
+    per_device: int | float | None = None
+    if per_process is not None:
+        # DataParallel splits each process's batch across its devices; elsewhere a process has one device.
+        per_device = per_process / devices_per_process
+        per_device = int(per_device) if per_device.is_integer() else round(per_device, 2)
+    rates = [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups[:1]]
+    rates = [float(rate) for rate in rates]
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    # Who told Lightning the ranks: SLURM, torchrun (TorchElastic) or Lightning's own launcher; none for one device.
+    cluster = getattr(trainer.strategy, "cluster_environment", None)
+    return {
+        "strategy": _strategy_name(trainer),
+        "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
+        "num_nodes": trainer.num_nodes,
+        "devices_per_node": trainer.num_devices,
+        "world_size": trainer.world_size,
+        "cluster_environment": type(cluster).__name__ if cluster is not None else None,
+        "batch_per_device": per_device,
+        "batch_per_process": per_process,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "effective_batch_size": effective,
+        "global_batch_size": scaling.global_batch_size,
+        "lr_scaling": scaling.lr_scaling,
+        "reference_batch_size": scaling.reference_batch_size,
+        "lr_factor": scaling._applied_factor,
+        "lr": rates[0] if len(rates) == 1 else rates,
+        "precision": str(trainer.precision),
+        "seed": int(seed) if seed is not None else None,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as one log line."""
+    s = summary
+    batch = (
+        f"batch {s['batch_per_process']}/process ({s['batch_per_device']}/device) x {s['world_size']} process(es) "
+        f"x {s['accumulate_grad_batches']} accumulation = {s['effective_batch_size']} per optimizer step"
+    )
+    rates = ", ".join(f"{rate:.6g}" for rate in (s["lr"] if isinstance(s["lr"], list) else [s["lr"]]))
+    lr = f"lr {rates}" + (f" ({s['lr_scaling']} scaling x{s['lr_factor']:.4g})" if s["lr_scaling"] != "none" else "")
+    return (
+        f"Run: strategy {s['strategy']} on {s['accelerator']}, {s['num_nodes']} node(s) x {s['devices_per_node']} "
+        f"device(s), world size {s['world_size']}{f' ({env})' if (env := s['cluster_environment']) else ''}; "
+        f"{batch}; {lr}; "
+        f"precision {s['precision']}; seed {s['seed']}"
+    )
+
+
+def _strategy_name(trainer: Trainer) -> str:
+    strategy = trainer.strategy
+    name = getattr(strategy, "strategy_name", None)
+    return name or type(strategy).__name__.removesuffix("Strategy").lower()
+
+
+def _default_batch_size(datamodule: Any) -> Any:
+    """The ``batch_size`` default of the DataModule's constructor, or None when it has none."""
+    try:
+        parameter = inspect.signature(type(datamodule)).parameters.get("batch_size")
+    except (TypeError, ValueError):
+        return None
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
