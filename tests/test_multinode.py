@@ -17,7 +17,7 @@ from template.data import _read_archive
 from tests.conftest import CONFIGS, PACKAGE, REPO, cli_env
 
 SCRIPTS = REPO / "scripts"
-TIMEOUT = 240  # seconds for a whole simulated job; a healthy one takes well under a minute here
+TIMEOUT = 180  # seconds for a whole simulated job; a healthy one takes 10-25 s on 2 busy cores
 TRAIN = (
     "fit",
     "--config", str(CONFIGS / "ddp_cpu.yaml"),
