@@ -194,7 +194,8 @@ class CLI(LightningCLI):
 
     def after_fit(self) -> None:
         checkpoint = self.trainer.checkpoint_callback
-        if checkpoint is not None and checkpoint.best_model_path:
+        # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
+        if checkpoint is not None and checkpoint.best_model_path and checkpoint.best_model_score is not None:
             rank_zero_info(
                 f"Best checkpoint: {checkpoint.best_model_path} "
                 f"({checkpoint.monitor}={float(checkpoint.best_model_score):.4f})"

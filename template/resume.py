@@ -32,6 +32,7 @@ class RNGStateCheckpoint(Callback):
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
         self._pending_samplers: list[torch.Tensor | None] | None = None
+        self._batches_done: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -64,6 +65,12 @@ class RNGStateCheckpoint(Callback):
         _restore(state)
         self._pending_samplers = state["samplers"]
 
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Batches of the current epoch already trained on when the checkpoint was written ("processed": a
+        # checkpoint saved from on_train_batch_end has not counted its batch as completed yet).
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+        self._batches_done = progress.get("current", {}).get("processed")
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pending_samplers is not None:
             generators = _sampler_generators(self._train_loaders())
@@ -71,10 +78,8 @@ class RNGStateCheckpoint(Callback):
                 if generator is not None and saved is not None:
                     generator.set_state(saved)
             self._pending_samplers = None
-        loop = trainer.fit_loop
-        if loop.restarted_mid_epoch:
-            done = loop.epoch_loop.batch_progress.current.completed
-            total = trainer.num_training_batches
+        if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None:
+            done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
                 f"Resuming in the middle of epoch {trainer.current_epoch} (after {done} of {total} "
                 "batches): this run is not an exact continuation. Lightning cannot skip into a plain DataLoader, so "

@@ -1,0 +1,110 @@
+"""Resuming at an epoch boundary repeats the uninterrupted run bit for bit; mid-epoch resume warns what repeats."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import CONFIGS, PACKAGE, cli_env
+
+from template.resume import find_last_checkpoint
+
+# Shuffled batches and dropout (the MLP's default 0.1) both draw random numbers: exactly what resume must restore.
+FAST = [
+    "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.accelerator=cpu", "--trainer.deterministic=true",
+    "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+]  # fmt: skip
+
+
+def _last(run_dir: Path) -> dict:
+    versions = sorted((run_dir / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    return torch.load(versions[-1] / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    """Largest absolute difference over all weights and all optimizer state tensors; inf if the structure differs."""
+    pairs = [(a["state_dict"], b["state_dict"])]
+    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
+        assert opt_a["state"].keys() == opt_b["state"].keys()
+        pairs += [(opt_a["state"][k], opt_b["state"][k]) for k in opt_a["state"]]
+    worst = 0.0
+    for x, y in pairs:
+        assert x.keys() == y.keys()
+        for k in x:
+            tx, ty = torch.as_tensor(x[k]).double(), torch.as_tensor(y[k]).double()
+            worst = max(worst, (tx - ty).abs().max().item())
+    return worst
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two epochs without interruption, also keeping a mid-epoch checkpoint (after step 3 of 8)."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    extra = {
+        "trainer": {
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": "mid", "every_n_train_steps": 3, "save_top_k": -1, "filename": "{step}"},
+                }
+            ]
+        }
+    }
+    (run_dir / "mid.yaml").write_text(yaml.safe_dump(extra))
+    command = [sys.executable, "-m", PACKAGE, *FAST, "--config", "mid.yaml", "--trainer.max_epochs=2"]
+    done = subprocess.run(command, cwd=run_dir, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_resume_at_epoch_boundary_is_bit_exact(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    first = run_cli(*FAST, "--trainer.max_epochs=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(*FAST, "--trainer.max_epochs=2", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "lightning_logs/version_0/checkpoints/last.ckpt" in resumed.stdout + resumed.stderr
+    reference, result = _last(straight), _last(tmp_path)
+    assert result["global_step"] == reference["global_step"] == 16
+    difference = _max_difference(reference, result)
+    print(f"\nmax parameter/optimizer-state difference after resuming at the epoch boundary: {difference}")
+    assert difference == 0.0
+
+    # The same resume without the saved random states drifts away: the states are what makes it exact.
+    control = tmp_path / "control"
+    control.mkdir()
+    checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    del checkpoint["callbacks"]["RNGStateCheckpoint"]
+    torch.save(checkpoint, control / "no_rng.ckpt")
+    drifted = run_cli(*FAST, "--trainer.max_epochs=2", "--ckpt_path", "no_rng.ckpt", cwd=control)
+    assert drifted.returncode == 0, drifted.stderr[-3000:]
+    assert _max_difference(reference, _last(control)) > 0
+
+
+def test_mid_epoch_resume_warns_what_repeats(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    shutil.copy(straight / "mid" / "step=3.ckpt", tmp_path / "mid.ckpt")
+    # cli_env() silences Python warnings; this test is about one.
+    resumed = run_cli(*FAST, "--trainer.max_epochs=1", "--ckpt_path", "mid.ckpt", env=cli_env(PYTHONWARNINGS="default"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    text = " ".join(resumed.stderr.split())
+    assert "Resuming in the middle of epoch 0 (after 3 of 8 batches)" in text
+    assert "the remaining 5 steps" in text and "seen twice" in text
+
+
+def test_ckpt_path_last_picks_the_newest_checkpoint(tmp_path: Path) -> None:
+    old = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    new = tmp_path / "lightning_logs" / "version_1" / "checkpoints"
+    for directory in (old, new):
+        directory.mkdir(parents=True)
+    (old / "last.ckpt").write_bytes(b"0")
+    (new / "best-0.ckpt").write_bytes(b"1")
+    (new / "last.ckpt").write_bytes(b"1")
+    for age, path in enumerate([new / "last.ckpt", new / "best-0.ckpt", old / "last.ckpt"]):
+        stamp = 1_700_000_000 - 10 * age
+        os.utime(path, (stamp, stamp))
+    assert Path(find_last_checkpoint(tmp_path)) == new / "last.ckpt"
