@@ -1,0 +1,686 @@
+#!/usr/bin/env python
+"""Training throughput of the template under single, dp and ddp against a hand-written PyTorch loop.
+
+    python scripts/benchmark.py                                 # a small MLP on synthetic data, and the example
+    python scripts/benchmark.py --config configs/my.yaml        # your own model and data (configs stack)
+    python scripts/benchmark.py --steps 20 --warmup 5 --repeats 1 --out /tmp/bench   # a quick smoke run
+
+Every measurement is a fresh process running the real command, ``python -m template fit ...``, for a fixed number
+of steps with validation off: the first ``--warmup`` steps are not timed, the next ``--steps`` are, and each cell
+of the matrix is repeated ``--repeats`` times (medians are reported). Writes ``benchmark.md``, ``benchmark.csv``
+and ``benchmark.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+import template
+from template.data import BatchedTensorDataset, collate_batch
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = template.__name__
+SCRIPTS = Path(__file__).resolve().parent
+MODULE = Path(__file__).stem  # how child processes import this file: it is on their PYTHONPATH
+
+# Seed 001's setting in miniature: the small MLP of the per-step overhead notes, with synthetic in-memory data.
+MLP_WORKLOAD = """\
+# A 784-256-10 MLP, batch 64, on synthetic in-memory data (written by scripts/benchmark.py).
+model:
+  net:
+    class_path: {package}.nets.MLP
+    init_args:
+      hidden_sizes: [256]
+      dropout: 0.0
+data:
+  class_path: {module}.SyntheticDataModule
+  init_args:
+    num_samples: 60000
+    input_shape: [1, 28, 28]
+    batch_size: 64
+"""
+
+
+WORKLOADS = {"mlp": "MLP 784-256-10, batch 64, synthetic data", "example": "example (configs/default.yaml)"}
+
+
+class SyntheticDataModule(LightningDataModule):
+    """Random images and labels held in memory: a data set that costs nothing to read, for benchmarks."""
+
+    def __init__(
+        self,
+        num_samples: int = 60000,
+        input_shape: Sequence[int] = (1, 28, 28),
+        num_classes: int = 10,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_samples = num_samples
+        self.input_shape = tuple(input_shape)
+        self.num_classes = num_classes
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+        self.dataset: BatchedTensorDataset | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.dataset is None:
+            generator = torch.Generator().manual_seed(self.seed)
+            images = torch.rand(self.num_samples, *self.input_shape, generator=generator)
+            labels = torch.randint(0, self.num_classes, (self.num_samples,), generator=generator)
+            self.dataset = BatchedTensorDataset(images, labels)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=collate_batch,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
+
+
+class StepTimer(Callback):
+    """Times a window of training steps after a warm-up and writes it, with the first step's clock time, as JSON."""
+
+    def __init__(self, out_path: str, warmup: int, steps: int) -> None:
+        self.out_path = out_path
+        self.warmup = warmup
+        self.steps = steps
+        self.first_step: float | None = None
+        self.window_start: float | None = None
+        self.window_end: float | None = None
+        self.samples = 0
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.first_step is None:
+            self.first_step = time.time()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.batches += 1
+        if self.batches == self.warmup:
+            self.window_start = _clock(pl_module.device)
+        elif self.warmup < self.batches <= self.warmup + self.steps:
+            self.samples += _batch_len(batch)
+            if self.batches == self.warmup + self.steps:
+                self.window_end = _clock(pl_module.device)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        if self.window_end is None:
+            raise RuntimeError(
+                f"only {self.batches} training steps ran; the benchmark needs {self.warmup + self.steps}"
+            )
+        result = {
+            "first_step": self.first_step,
+            "seconds": self.window_end - self.window_start,
+            # Under DDP every process reads its own batch of the same size; DP splits one batch over its devices.
+            "samples": self.samples * trainer.world_size,
+            "steps": self.steps,
+            "world_size": trainer.world_size,
+        }
+        Path(self.out_path).write_text(json.dumps(result))
+
+
+def _clock(device: torch.device) -> float:
+    # CUDA runs asynchronously: wait for the queued work so the window holds the steps, not just their launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _batch_len(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    return len(first)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The hand-written baseline: the same net, data, batch and optimizer as the template run, in plain PyTorch.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _endless(loader: DataLoader) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str]) -> None:
+    """Run the hand-written loop and the data pipeline alone on the config's model and data; write JSON."""
+    from torch.nn import functional as F
+
+    from template.cli import CLI
+    from template.model import Classifier
+
+    class Built(Exception):
+        pass
+
+    class BuildOnly(CLI):
+        """Everything `fit` does up to the moment it would start training (same seed, links and batch)."""
+
+        def before_fit(self) -> None:
+            super().before_fit()
+            raise Built(self)
+
+    try:
+        BuildOnly(
+            Classifier,
+            LightningDataModule,
+            subclass_mode_data=True,
+            seed_everything_default=1234,
+            args=["fit", *cli_args, "--trainer.logger=false", "--trainer.devices=1", "--trainer.strategy=auto"],
+        )
+    except Built as built:
+        cli = built.args[0]
+    model, data = cli.model, cli.datamodule
+    device = cli.trainer.strategy.root_device
+    data.prepare_data()
+    data.setup("fit")
+    loader = data.train_dataloader()
+
+    # Data pipeline alone: batches per second out of the same DataLoader, nothing else.
+    batches = _endless(loader)
+    for _ in range(warmup):
+        next(batches)
+    start, samples = time.perf_counter(), 0
+    for _ in range(steps):
+        samples += _batch_len(next(batches))
+    data_seconds = time.perf_counter() - start
+
+    net = model.net.to(device).train()
+    optimizer = model.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    batches = _endless(loader)
+    window_start, timed_samples = None, 0
+    for step in range(warmup + steps):
+        x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.cross_entropy(net(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step + 1 == warmup:
+            window_start = _clock(device)
+        elif step + 1 > warmup:
+            timed_samples += len(y)
+    hand_seconds = _clock(device) - window_start
+    result = {
+        "hand": {"seconds": hand_seconds, "samples": timed_samples, "steps": steps},
+        "data": {"seconds": data_seconds, "samples": samples, "steps": steps},
+        "batch_size": getattr(data, "batch_size", None),
+        "device": str(device),
+    }
+    Path(out_path).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The orchestrator: the matrix of runs, medians, tables and the plot.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One entry of the matrix: a strategy on a number of devices, measured ``repeats`` times."""
+
+    workload: str
+    strategy: str  # "hand-written", "single", "dp", "ddp"
+    devices: int
+    samples_per_s: list[float] = field(default_factory=list)
+    ms_per_step: list[float] = field(default_factory=list)
+    startup_s: list[float] = field(default_factory=list)
+    per_device_batch: float | None = None
+
+    @property
+    def throughput(self) -> float:
+        return statistics.median(self.samples_per_s)
+
+    @property
+    def step_ms(self) -> float:
+        return statistics.median(self.ms_per_step)
+
+    @property
+    def startup(self) -> float | None:
+        return statistics.median(self.startup_s) if self.startup_s else None
+
+
+def _child_env(threads: int | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS), str(REPO), env.get("PYTHONPATH")]))
+    env.update({"PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"})
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _run(command: list[str], cwd: Path, args: argparse.Namespace) -> None:
+    result = subprocess.run(
+        command,
+        cwd=cwd,
+        env=_child_env(args.threads),
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"benchmark run failed (exit {result.returncode}): {' '.join(command)}\n{tail}")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def _device_counts(maximum: int) -> list[int]:
+    counts = [1]
+    while counts[-1] * 2 <= maximum:
+        counts.append(counts[-1] * 2)
+    return sorted({*counts, maximum})
+
+
+def plan(devices: Sequence[int], strategies: Sequence[str], gpus: int) -> list[tuple[str, int]]:
+    """The (strategy, devices) pairs to run: single on one device, dp over GPUs only, ddp over every count."""
+    cells: list[tuple[str, int]] = []
+    for strategy in strategies:
+        if strategy == "single":
+            cells.append(("single", 1))
+        elif strategy == "dp" and gpus:
+            cells += [("dp", n) for n in devices if n <= gpus]
+        elif strategy == "ddp":
+            cells += [("ddp", n) for n in devices]
+    return cells
+
+
+def _strategy_args(strategy: str, devices: int, gpus: int, batch: int | None) -> list[str]:
+    accelerator = "gpu" if gpus else "cpu"
+    if strategy == "single":
+        return ["--trainer.strategy=auto", "--trainer.devices=1"]
+    args = [f"--trainer.accelerator={accelerator}", f"--trainer.strategy={strategy}", f"--trainer.devices={devices}"]
+    if strategy == "dp" and batch:
+        # DP splits one batch over its devices: grow it so every device keeps the per-device batch of one device,
+        # as each DDP process does. That is what makes the rows comparable.
+        args.append(f"--data.init_args.batch_size={batch * devices}")
+    return args
+
+
+def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: Path) -> list[Cell]:
+    """Run every workload under every (strategy, devices) pair, ``repeats`` times; report progress on stderr."""
+    gpus = torch.cuda.device_count()
+    counts = args.devices or _device_counts(args.max_devices or gpus or 2)
+    pairs = plan(counts, args.strategies, gpus)
+    total = (len(workloads) * (len(pairs) + 1) + 1) * args.repeats
+    done, cells = 0, []
+    started = time.perf_counter()
+
+    def progress(cell: Cell, repeat: int, note: str) -> None:
+        elapsed = time.perf_counter() - started
+        label = f"{cell.workload}: {cell.strategy} x {cell.devices}"
+        print(
+            f"[{done:>3}/{total}] {elapsed:6.0f} s  {label:<28} repeat {repeat + 1}/{args.repeats}  {note}",
+            file=sys.stderr,
+        )
+
+    # The floor of every start-up: importing torch, Lightning, torchmetrics and the package's command line.
+    imports = Cell("all", "imports", 1)
+    cells.append(imports)
+    for repeat in range(args.repeats):
+        launched = time.time()
+        _run([sys.executable, "-c", f"import {PACKAGE}.cli"], work, args)
+        imports.startup_s.append(time.time() - launched)
+        done += 1
+        progress(imports, repeat, f"`import {PACKAGE}.cli` took {imports.startup_s[-1]:.1f} s")
+
+    for name, config_args in workloads.items():
+        hand = Cell(name, "hand-written", 1)
+        data = Cell(name, "data pipeline", 1)
+        cells += [hand, data]
+        batch = None
+        for repeat in range(args.repeats):
+            out = work / f"{_slug(name)}-baseline-{repeat}.json"
+            command = [sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(out)]
+            command += [f"--warmup={args.warmup}", f"--steps={args.steps}", "--", *config_args]
+            _run(command, work, args)
+            result = json.loads(out.read_text())
+            batch = result["batch_size"]
+            for cell, key in ((hand, "hand"), (data, "data")):
+                measured = result[key]
+                cell.samples_per_s.append(measured["samples"] / measured["seconds"])
+                cell.ms_per_step.append(1000 * measured["seconds"] / measured["steps"])
+                cell.per_device_batch = measured["samples"] / measured["steps"]
+            done += 1
+            progress(
+                hand, repeat, f"{hand.samples_per_s[-1]:>10,.0f} samples/s (data alone {data.samples_per_s[-1]:,.0f})"
+            )
+
+        for strategy, devices in pairs:
+            cell = Cell(name, strategy, devices)
+            cells.append(cell)
+            for repeat in range(args.repeats):
+                out = work / f"{_slug(name)}-{strategy}-{devices}-{repeat}.json"
+                timer = {
+                    "class_path": f"{MODULE}.StepTimer",
+                    "init_args": {"out_path": str(out), "warmup": args.warmup, "steps": args.steps},
+                }
+                command = [sys.executable, "-m", PACKAGE, "fit", *config_args]
+                command += [
+                    "--trainer.max_epochs=-1",
+                    f"--trainer.max_steps={args.warmup + args.steps}",
+                    # Training throughput: validation (and its sanity check) would run between the timed steps.
+                    "--trainer.limit_val_batches=0",
+                    "--trainer.num_sanity_val_steps=0",
+                    f"--trainer.default_root_dir={work / 'runs'}",
+                    *_strategy_args(strategy, devices, gpus, batch),
+                    f"--trainer.callbacks+={json.dumps(timer)}",
+                ]
+                launched = time.time()
+                _run(command, work, args)
+                result = json.loads(out.read_text())
+                cell.samples_per_s.append(result["samples"] / result["seconds"])
+                cell.ms_per_step.append(1000 * result["seconds"] / result["steps"])
+                cell.startup_s.append(result["first_step"] - launched)
+                cell.per_device_batch = result["samples"] / result["steps"] / devices
+                done += 1
+                progress(
+                    cell,
+                    repeat,
+                    f"{cell.samples_per_s[-1]:>10,.0f} samples/s, first step after {cell.startup_s[-1]:.1f} s",
+                )
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reports.
+# ---------------------------------------------------------------------------------------------------------------
+
+COLUMNS = [
+    "workload",
+    "strategy",
+    "devices",
+    "batch_per_device",
+    "samples_per_s",
+    "ms_per_step",
+    "speedup",
+    "efficiency",
+    "step_time_vs_hand",
+    "startup_s",
+    "repeats",
+]
+
+
+def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
+    """One row per cell with speed-up and efficiency against the template on one device, and the hand-loop ratio."""
+    rows = []
+    for cell in cells:
+        if cell.strategy == "imports":
+            continue
+        same = [c for c in cells if c.workload == cell.workload]
+        single = next((c for c in same if c.strategy == "single"), None)
+        hand = next(c for c in same if c.strategy == "hand-written")
+        training = cell.strategy != "data pipeline"
+        template_run = cell.strategy in ("single", "dp", "ddp")
+        speedup = cell.throughput / single.throughput if single and template_run else None
+        rows.append(
+            {
+                "workload": cell.workload,
+                "strategy": cell.strategy,
+                "devices": cell.devices,
+                "batch_per_device": round(cell.per_device_batch, 1) if cell.per_device_batch else None,
+                "samples_per_s": round(cell.throughput, 1),
+                "ms_per_step": round(cell.step_ms, 3),
+                "speedup": round(speedup, 3) if speedup else None,
+                "efficiency": round(speedup / cell.devices, 3) if speedup else None,
+                "step_time_vs_hand": round(cell.step_ms / hand.step_ms, 3) if training else None,
+                "startup_s": round(cell.startup, 2) if cell.startup is not None else None,
+                "repeats": len(cell.samples_per_s),
+            }
+        )
+    return rows
+
+
+def summary_lines(cells: list[Cell]) -> list[str]:
+    """The acceptance ratios in words: template vs hand-written per step, data pipeline vs training."""
+    lines = []
+    imports = next((c for c in cells if c.strategy == "imports"), None)
+    for workload in dict.fromkeys(c.workload for c in cells if c.strategy != "imports"):
+        same = {(c.strategy, c.devices): c for c in cells if c.workload == workload}
+        hand, data, single = same[("hand-written", 1)], same[("data pipeline", 1)], same.get(("single", 1))
+        if single is None:
+            continue
+        lines.append(
+            f"- **{workload}**: the template takes {single.step_ms / hand.step_ms:.2f}x the time per step of the "
+            f"hand-written loop ({single.step_ms:.2f} ms vs {hand.step_ms:.2f} ms, "
+            f"{single.step_ms - hand.step_ms:+.2f} ms per step); the data pipeline alone delivers "
+            f"{data.throughput:,.0f} samples/s, {data.throughput / single.throughput:.1f}x what training consumes; "
+            f"first training step {single.startup:.1f} s after `python -m {PACKAGE} fit` starts."
+        )
+    if imports is not None:
+        lines.append(
+            f"- **start-up**: `python -c 'import {PACKAGE}.cli'` (torch, Lightning, torchmetrics and the package) "
+            f"takes {imports.startup:.1f} s of that."
+        )
+    return lines
+
+
+def machine() -> str:
+    """One line describing the hardware and the library versions the numbers belong to."""
+    import lightning
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    accelerators = f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU"
+    return (
+        f"{cpu}, {os.cpu_count()} CPU cores, {accelerators}; {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}"
+    )
+
+
+def write_markdown(path: Path, rows: list[dict[str, Any]], cells: list[Cell], settings: str) -> None:
+    def fmt(value: Any, spec: str = "") -> str:
+        return "" if value is None else format(value, spec)
+
+    lines = [f"Machine: {machine()}.", "", f"Settings: {settings}.", ""]
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        lines += [
+            f"### {workload}",
+            "",
+            "| strategy | devices | batch/device | samples/s | ms/step | speed-up | efficiency "
+            "| step time vs hand-written | start-up s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in (r for r in rows if r["workload"] == workload):
+            lines.append(
+                f"| {r['strategy']} | {r['devices']} | {fmt(r['batch_per_device'], 'g')} | "
+                f"{r['samples_per_s']:,.0f} | {r['ms_per_step']:.3f} | {fmt(r['speedup'], '.2f')} | "
+                f"{fmt(r['efficiency'], '.2f')} | {fmt(r['step_time_vs_hand'], '.2f')} | {fmt(r['startup_s'], '.1f')} |"
+            )
+        lines.append("")
+    lines += summary_lines(cells)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Throughput against devices, one line per strategy and one panel per workload, like seed 001's figure."""
+    plt = _pyplot()
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    figure, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+    styles = {
+        "hand-written": ("*", "black"),
+        "single": ("o", "tab:blue"),
+        "dp": ("s", "tab:orange"),
+        "ddp": ("^", "tab:green"),
+    }
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        mine = [r for r in rows if r["workload"] == workload and r["strategy"] in styles]
+        for strategy, (marker, color) in styles.items():
+            points = sorted((r["devices"], r["samples_per_s"]) for r in mine if r["strategy"] == strategy)
+            if points:
+                xs, ys = zip(*points, strict=True)
+                line = "-" if len(xs) > 1 else "none"
+                size = 11 if marker == "*" else 7
+                ax.plot(xs, ys, marker=marker, linestyle=line, color=color, label=strategy, markersize=size)
+        single = next((r for r in mine if r["strategy"] == "single"), None)
+        top = max(r["devices"] for r in mine)
+        if single and top > 1:
+            ax.plot(
+                [1, top],
+                [single["samples_per_s"], single["samples_per_s"] * top],
+                "--",
+                color="grey",
+                label="linear scaling",
+            )
+        ax.set(title=workload, xlabel="devices", ylabel="training samples / s")
+        ax.set_xticks(sorted({r["devices"] for r in mine}))
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit(
+            'error: the plots need matplotlib; install it with `pip install matplotlib` (or `pip install -e ".[dev]"`)'
+        )
+    return plt
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """Reports a bad option as one ``error:`` line and exit status 2, without the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--config",
+        action="append",
+        type=Path,
+        help="a config of the template (repeat to stack); default: the MLP and configs/default.yaml",
+    )
+    parser.add_argument("--steps", type=int, default=500, help="timed training steps per run (default 500)")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed steps before them (default 50)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="fresh processes per cell; medians are reported (default 3)"
+    )
+    parser.add_argument(
+        "--max-devices", type=int, default=None, help="largest device count (default: all GPUs, or 2 CPU processes)"
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        nargs="+",
+        help="device counts for dp and ddp (default: 1, 2, 4, ... up to --max-devices)",
+    )
+    parser.add_argument("--strategies", nargs="+", default=["single", "dp", "ddp"], choices=["single", "dp", "ddp"])
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=list(WORKLOADS),
+        help="built-in workloads to run when no --config is given (default: both)",
+    )
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run (default: the libraries' choice)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmark"), help="folder for benchmark.md/.csv/.png (default ./benchmark)"
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take before it counts as hung")
+    args = parser.parse_args(argv)
+    for name in ("steps", "warmup", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for count in [args.max_devices or 1, args.threads or 1, *(args.devices or [])]:
+        if count < 1:
+            parser.error(f"device and thread counts must be at least 1, got {count}")
+    if args.config and args.workload:
+        parser.error("--workload picks a built-in workload; it cannot be combined with --config")
+    for config in args.config or []:
+        if not config.is_file():
+            parser.error(f"config file '{config}' does not exist; pass an existing YAML file to --config")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the benchmark matrix and write the Markdown table, the CSV table and the plot."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--baseline-worker"]:
+        split = argv.index("--")
+        options = dict(a.lstrip("-").split("=", 1) for a in argv[2:split])
+        baseline_worker(argv[1], int(options["warmup"]), int(options["steps"]), argv[split + 1 :])
+        return
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch:
+        work = Path(scratch)
+        if args.config:
+            name = "+".join(c.stem for c in args.config)
+            workloads = {name: [a for c in args.config for a in ("--config", str(c.resolve()))]}
+        else:
+            mlp = work / "mlp.yaml"
+            mlp.write_text(MLP_WORKLOAD.format(package=PACKAGE, module=MODULE))
+            default = str(REPO / "configs" / "default.yaml")
+            configs = {"mlp": ["--config", default, "--config", str(mlp)], "example": ["--config", default]}
+            workloads = {WORKLOADS[key]: configs[key] for key in args.workload or WORKLOADS}
+        cells = run_matrix(args, workloads, work)
+    rows = table_rows(cells)
+    settings = f"{args.steps} timed steps after {args.warmup} warm-up steps, median of {args.repeats} fresh process(es)"
+    write_markdown(args.out / "benchmark.md", rows, cells, settings)
+    write_csv(args.out / "benchmark.csv", rows)
+    write_plot(args.out / "benchmark.png", rows)
+    print((args.out / "benchmark.md").read_text())
+    print(
+        f"wrote {args.out / 'benchmark.md'}, {args.out / 'benchmark.csv'} and {args.out / 'benchmark.png'}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The benchmark and the learning-curve plot in smoke form: real runs with tiny step counts, real output files."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO, cli_env
+
+SCRIPTS = REPO / "scripts"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _script(name: str, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *map(str, args)],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _load(name: str):  # noqa: ANN202 - a module object
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real plot"
+
+
+def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = _script(
+        "benchmark.py",
+        *("--workload", "mlp", "--strategies", "single", "ddp", "--devices", "2"),
+        *("--steps", "6", "--warmup", "2", "--repeats", "1", "--out", out),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    # Progress while it runs: one line per finished run, numbered out of the total.
+    progress = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == 4 and progress[-1].startswith("[  4/4]")
+
+    rows = {(r["strategy"], int(r["devices"])): r for r in csv.DictReader((out / "benchmark.csv").open())}
+    assert set(rows) == {("hand-written", 1), ("data pipeline", 1), ("single", 1), ("ddp", 2)}
+    for (_, devices), row in rows.items():
+        samples_per_s, ms_per_step = float(row["samples_per_s"]), float(row["ms_per_step"])
+        # Every run sees the per-device batch of the config; the two numbers describe the same steps.
+        assert float(row["batch_per_device"]) == 64, row
+        assert 0 < ms_per_step < 10_000 and samples_per_s > 0, row
+        assert samples_per_s == pytest.approx(64 * devices * 1000 / ms_per_step, rel=0.01), row
+    single, ddp, hand = rows[("single", 1)], rows[("ddp", 2)], rows[("hand-written", 1)]
+    assert float(single["speedup"]) == 1.0 and float(single["efficiency"]) == 1.0
+    assert float(ddp["efficiency"]) == pytest.approx(float(ddp["speedup"]) / 2, abs=0.002)
+    assert float(hand["step_time_vs_hand"]) == 1.0
+    assert float(single["step_time_vs_hand"]) == pytest.approx(
+        float(single["ms_per_step"]) / float(hand["ms_per_step"]), rel=0.01
+    )
+    # Start-up: from launching `python -m <package> fit` to its first training step, DDP's second process included.
+    assert 0 < float(single["startup_s"]) < 240 and 0 < float(ddp["startup_s"]) < 240
+
+    markdown = (out / "benchmark.md").read_text()
+    assert markdown.startswith("Machine: ") and "CPU cores" in markdown
+    assert "| strategy | devices | batch/device | samples/s |" in markdown and "| ddp | 2 | 64 |" in markdown
+    assert "the time per step of the hand-written loop" in markdown and "what training consumes" in markdown
+    _assert_png(out / "benchmark.png")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--config", "nowhere.yaml"], "config file 'nowhere.yaml' does not exist; pass an existing YAML file"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--devices", "2", "0"], "device and thread counts must be at least 1, got 0"),
+        (["--workload", "mlp", "--config", __file__], "cannot be combined with --config"),
+    ],
+)
+def test_benchmark_refuses_bad_options_in_one_line(args: list[str], message: str, capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as exit_info:
+        _load("benchmark").parse_args(args)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_learning_curves_from_a_real_run(run_cli, tmp_path: Path) -> None:
+    result = run_cli(
+        "fit",
+        *("--config", CONFIGS / "default.yaml", "--trainer.max_epochs=3", "--trainer.limit_train_batches=6"),
+        *("--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false"),
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+
+    plot = _script("plot_metrics.py", run_dir, cwd=tmp_path, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    _assert_png(run_dir / "learning_curves.png")
+
+    # The curves are the per-epoch values of metrics.csv: one point per epoch for train and val, loss and accuracy.
+    plot_metrics = _load("plot_metrics")
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    curves = plot_metrics.curves(rows)
+    for panel, column in (("loss", "val_loss"), ("accuracy", "train_acc")):
+        assert set(curves[panel]) == {"train", "val"}
+        assert all(list(points) == [0, 1, 2] for points in curves[panel].values())
+        logged = [float(r[column]) for r in rows if r[column]]
+        split = "val" if column.startswith("val") else "train"
+        assert list(curves[panel][split].values()) == logged
+    assert all(0 <= acc <= 1 for split in curves["accuracy"].values() for acc in split.values())
+
+
+def test_plot_metrics_explains_a_wrong_path(tmp_path: Path) -> None:
+    result = _script("plot_metrics.py", tmp_path / "version_9", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: no metrics file at '{tmp_path / 'version_9'}'; pass a run folder such as lightning_logs/version_0"
+    ]

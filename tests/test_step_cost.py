@@ -1,0 +1,89 @@
+"""The cheap per-step path: batched data reads, logging at the Trainer's cadence, and DDP still splitting the data."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from template.data import BatchedTensorDataset, DigitsDataModule, collate_batch
+from tests.conftest import CONFIGS
+
+
+def _tensors(n: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(n, 1, 8, 8, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+
+
+def test_batched_reads_give_the_batches_of_per_sample_reads() -> None:
+    images, labels = _tensors()
+    batched = DataLoader(BatchedTensorDataset(images, labels), batch_size=16, collate_fn=collate_batch)
+    per_sample = DataLoader(TensorDataset(images, labels), batch_size=16)
+    pairs = list(zip(batched, per_sample, strict=True))
+    assert len(pairs) == 7  # 6 full batches and a last one of 7
+    for (x, y), (x_ref, y_ref) in pairs:
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+
+
+def test_collate_still_accepts_a_list_of_samples() -> None:
+    images, labels = _tensors(4)
+    x, y = collate_batch([(images[i], labels[i]) for i in range(4)])
+    assert torch.equal(x, images) and torch.equal(y, labels)
+
+
+def test_workers_pinning_and_persistent_workers_still_work(tmp_path: Path) -> None:
+    digits = DigitsDataModule(
+        data_dir=str(tmp_path), batch_size=100, num_workers=2, pin_memory=True, persistent_workers=True
+    )
+    digits.prepare_data()
+    digits.setup("fit")
+    loader = digits.train_dataloader()
+    assert loader.num_workers == 2 and loader.persistent_workers and loader.pin_memory
+    for _ in range(2):  # the second epoch reuses the persistent workers
+        labels = torch.cat([y for _, y in loader])
+        assert len(labels) == 1439
+        assert torch.equal(labels.sort().values, digits.splits["train"].tensors[1].sort().values)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((run_dir / "metrics.csv").open()))
+
+
+def test_training_metrics_are_logged_at_the_trainer_cadence_and_per_epoch(run_cli, tmp_path: Path) -> None:
+    result = run_cli(
+        "fit",
+        *("--config", CONFIGS / "default.yaml", "--trainer.max_epochs=2", "--trainer.limit_train_batches=7"),
+        *("--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=3", "--trainer.enable_progress_bar=false"),
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = _metrics(tmp_path / "lightning_logs" / "version_0")
+
+    # The step loss: only on the steps the Trainer writes logs (every 3rd optimizer step), never in between.
+    step_rows = [r for r in rows if r["train_loss"]]
+    assert [int(r["step"]) for r in step_rows] == [2, 5, 8, 11]
+    assert all(0 < float(r["train_loss"]) < 5 for r in step_rows)
+
+    # Epoch values: one per epoch for training (accuracy and mean loss, over every step) and validation.
+    for column in ("train_acc", "train_loss_epoch", "val_acc", "val_loss"):
+        values = [(int(r["epoch"]), float(r[column])) for r in rows if r[column]]
+        assert [epoch for epoch, _ in values] == [0, 1], column
+    for column in ("train_acc", "val_acc"):
+        assert all(0 <= float(r[column]) <= 1 for r in rows if r[column])
+
+
+def test_ddp_still_splits_the_data_between_processes(run_cli, tmp_path: Path) -> None:
+    result = run_cli(
+        "fit",
+        *("--config", CONFIGS / "ddp_cpu.yaml", "--trainer.max_epochs=1", "--trainer.limit_val_batches=0"),
+        "--trainer.enable_progress_bar=false",
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    checkpoint = torch.load(
+        tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
+    )
+    # 1439 training samples, 2 processes of 32 per batch: each process reads its half (720 with padding) in 23
+    # steps. Without Lightning's DistributedSampler each would read all 1439 in 45.
+    assert checkpoint["global_step"] == 23
