@@ -106,15 +106,15 @@ def rewrite_pyproject(text: str, answers: Mapping[str, object]) -> str:
     if not start:
         raise AnswerError("the live pyproject.toml has no [project] table; cannot name the new project")
     end = re.search(r"(?m)^\[", text[start.end() :])
-    head, table, tail = text[: start.end()], text[start.end() : start.end() + end.start() if end else None], ""
-    if end:
-        tail = text[start.end() + end.start() :]
+    stop = start.end() + end.start() if end else len(text)
+    head, table, tail = text[: start.end()], text[start.end() : stop], text[stop:]
 
     def toml(value: object) -> str:
         return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a valid TOML basic string
 
     table = re.sub(r"(?m)^authors[ \t]*=[ \t]*\[(?:[^\]\n]*\]|.*?\n\])[ \t]*\n", "", table, flags=re.S)
     table = re.sub(r"(?m)^license(?:-files)?[ \t]*=.*\n", "", table)
+    table = re.sub(r"(?m)^[ \t]*[\"']License :: [^\n]*\n", "", table)  # classifiers would contradict the choice
     table = re.sub(r"(?m)^name[ \t]*=.*$", f"name = {toml(answers['project_slug'])}", table, count=1)
     author = f"name = {toml(answers['author_name'])}"
     if answers.get("author_email"):
