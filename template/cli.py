@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.checkpoint_io import AtomicCheckpointIO
@@ -52,9 +54,20 @@ def _explain(message: str) -> str:
     help_hint = "run with --help to list the valid options"
     if m := re.search(r'No action for key "([^"]+)"', text):
         return f"unknown option '{m.group(1)}'; check its spelling and nesting, or {help_hint}"
-    if m := re.search(r"Unrecognized arguments: (.+)", text):
+    if m := re.search(r"does not accept option '([^']+)'", text):
+        return f"unknown option '{m.group(1)}'; check its spelling and nesting, or {help_hint}"
+    if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
         return f"unknown argument(s) {m.group(1)}; {help_hint}"
+    if m := re.search(r'Parser key "config":.*?File does not exist: (.*)$', text):
+        return f"config file {m.group(1).strip()} does not exist; check the path given to --config"
+    if m := re.search(r'Parser key "([^"]+)":.*?Problem with given class_path (\S+): (.*?)( - |$)', text):
+        return (
+            f"class_path {m.group(2)} for '{m.group(1)}' cannot be used ({m.group(3).strip()}); check its spelling "
+            "and that its module is importable (on PYTHONPATH)"
+        )
     if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+, value: (.*)$', text):
+        return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
+    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: .*? Given value: (.*)$', text):
         return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
     if m := re.search(r'Parser key "([^"]+)":\s*(.*)$', text):
         return f"invalid value for '{m.group(1)}': {m.group(2)}"
@@ -66,8 +79,8 @@ def _explain(message: str) -> str:
 def _first_reason(details: str) -> str:
     """jsonargparse lists why each member of a Union rejected a value; the first is usually the useful one."""
     details = details.strip(" -")
-    if m := re.search(r"Expected a (Literal\[.*?\])", details):
-        return f"expected one of {m.group(1)[len('Literal') :]}"
+    if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
+        return f"expected one of {', '.join(choices)}"
     return details[:300]
 
 
@@ -77,6 +90,12 @@ class CLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         self.parser_class = ArgumentParser
         return super().init_parser(**kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # jsonargparse reports broken YAML without saying which file; name it first.
+        if args is None or isinstance(args, (list, tuple)):
+            _check_yaml_files(sys.argv[1:] if args is None else list(args))
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -151,13 +170,19 @@ class CLI(LightningCLI):
             rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
         if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not _is_file(ckpt_path):
             raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
-        try:
-            super()._parse_ckpt_path()
-        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
-            raise ConfigError(
-                f"checkpoint '{ckpt_path}' cannot be loaded ({_one_line(err)[:200]}); it is truncated, corrupt or not "
-                "a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project"
-            ) from None
+        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS:
+            try:
+                # mmap reads the archive's index, not the tensors: a cheap check that the file is whole.
+                torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:  # junk bytes make the unpickler fail in arbitrary ways
+                reason = _one_line(err).split(". ")[0][:200]
+                if "mmap can only be used" in reason:
+                    reason = "not a PyTorch checkpoint archive"
+                raise ConfigError(
+                    f"checkpoint '{ckpt_path}' cannot be loaded ({reason}); it is truncated, corrupt "
+                    "or not a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project"
+                ) from None
+        super()._parse_ckpt_path()
 
     def _check_ckpt_path(self) -> None:
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
@@ -223,6 +248,11 @@ def _explain_trainer_error(text: str) -> str:
         )
     if "No supported gpu backend found" in text or "GPUs requested but none are available" in text:
         return f"trainer.accelerator asks for a GPU but this process sees none{note}; use accelerator cpu or auto"
+    if m := re.search(r"`num_nodes` must be a positive integer, but got (\S+?)\.?$", text):
+        return f"trainer.num_nodes must be >= 1, got {m.group(1)}; set it to the number of machines (1 for one)"
+    if m := re.search(r"invalid strategy name: `strategy=(.*?)`", text):
+        names = ", ".join(n for n in sorted(StrategyRegistry.available_strategies()) if "find_unused" not in n)
+        return f"unknown trainer.strategy {m.group(1)}; use one of: {names} (or a Strategy class_path)"
     return f"invalid trainer settings: {text}"
 
 
@@ -236,6 +266,23 @@ def _default_loggers(root: str | None) -> list:
 
 def _is_file(path: str) -> bool:
     return Path(path).is_file()
+
+
+def _check_yaml_files(argv: list[str]) -> None:
+    """Raise a ConfigError naming the first ``--config`` file that is not valid YAML."""
+    paths = [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not Path(path).is_file():
+            continue  # jsonargparse reports a missing file itself
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or _one_line(err)
+            message = f"config file '{path}' is not valid YAML: {problem}{where}; fix the syntax there"
+            raise ConfigError(message) from None
 
 
 def _config_error_in(err: BaseException) -> ConfigError | None:

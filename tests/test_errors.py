@@ -1,0 +1,115 @@
+"""The bad-input catalogue: each mistake ends with one ``error:`` line naming the value and the fix, exit code 2,
+no traceback, and nothing already on disk touched."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONFIGS, PACKAGE
+
+from template.cli import main
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ROOT = os.geteuid() == 0
+# Root writes through permission bits; sysfs refuses new directories even to root.
+UNWRITABLE = "/sys/template-test-data/data" if ROOT else "readonly/data"
+
+BASE = [
+    "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
+    "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+]  # fmt: skip
+
+# id: (extra arguments, fragments the one error line must contain: the bad value and the way out)
+CASES = {
+    "unknown-strategy": (["--trainer.strategy=dpp"], ["'dpp'", "ddp", "use one of"]),
+    "gpu-without-gpu": (["--trainer.accelerator=gpu"], ["GPU", "accelerator", "cpu"]),
+    "cpu-device-index": (["--trainer.accelerator=cpu", "--trainer.devices=[5]"], ["[5]", "--trainer.devices=2"]),
+    "gpu-device-index": (["--trainer.accelerator=gpu", "--trainer.devices=[63]"], ["[63]", "visible"]),
+    "misspelt-option": (["--trainer.max_epocs=3"], ["max_epocs", "--help"]),
+    "misspelt-yaml-key": (["--config", "typo.yaml"], ["max_epocs", "spelling"]),
+    "missing-config-file": (["--config", "nope.yaml"], ["nope.yaml", "--config"]),
+    "malformed-yaml": (["--config", "broken.yaml"], ["broken.yaml", "line 3", "fix the syntax"]),
+    "missing-checkpoint": (["--ckpt_path", "nope.ckpt"], ["nope.ckpt", "--ckpt_path"]),
+    "corrupt-checkpoint": (["--ckpt_path", "corrupt.ckpt"], ["corrupt.ckpt", "complete"]),
+    "truncated-checkpoint": (["--ckpt_path", "truncated.ckpt"], ["truncated.ckpt", "complete"]),
+    "ckpt-last-without-runs": (["--ckpt_path", "last", "--trainer.default_root_dir=empty"], ["empty", "train first"]),
+    "zero-batch-size": (["--data.init_args.batch_size=0"], ["batch_size", "got 0", "--data.batch_size=64"]),
+    "negative-batch-size": (["--data.init_args.batch_size=-5"], ["batch_size", "got -5", "--data.batch_size=64"]),
+    "unknown-net-class-path": (["--model.net=mypkg.nets.Nope"], ["mypkg.nets.Nope", "PYTHONPATH"]),
+    "unknown-data-class-path": (["--data=mypkg.data.Nope"], ["mypkg.data.Nope", "PYTHONPATH"]),
+    "invalid-precision": (["--trainer.precision=17"], ["'17'", "precision", "32-true"]),
+    "zero-nodes": (["--trainer.num_nodes=0"], ["num_nodes", "got 0", "number of machines"]),
+    "data-dir-is-a-file": (["--data.init_args.data_dir=afile"], ["afile", "directory"]),
+    "data-dir-not-writable": ([f"--data.init_args.data_dir={UNWRITABLE}"], [UNWRITABLE, "not writable"]),
+    "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
+    "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
+    "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
+}
+MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": GPU}
+
+
+def _workspace(root: Path) -> None:
+    """A folder as a user has it after a run: logs, a checkpoint, data; plus the bad inputs the cases point to."""
+    checkpoints = root / "lightning_logs" / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    torch.save({"state_dict": {"w": torch.zeros(3)}}, checkpoints / "last.ckpt")
+    (root / "lightning_logs" / "version_0" / "config.yaml").write_text("trainer: {max_epochs: 1}\n")
+    (root / "typo.yaml").write_text("trainer:\n  max_epocs: 3\n")
+    (root / "broken.yaml").write_text("trainer:\n  max_epochs: [1\n  devices: 1\n")
+    (root / "corrupt.ckpt").write_bytes(b"this is not a checkpoint")
+    whole = (checkpoints / "last.ckpt").read_bytes()
+    (root / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
+    (root / "afile").write_text("a file, not a directory")
+    (root / "empty").mkdir()
+    if not ROOT:
+        (root / "readonly").mkdir(mode=0o500)
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    return {
+        str(p.relative_to(root)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [pytest.param(*case, id=name, marks=MARKS.get(name, ())) for name, case in CASES.items()],
+)
+def test_bad_input_is_one_clear_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, extra: list, fragments: list
+) -> None:
+    _workspace(tmp_path)
+    before = _snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [PACKAGE])
+    with pytest.raises(SystemExit) as exit_info:
+        main([*BASE, *extra])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2, stderr[-3000:]
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert _snapshot(tmp_path) == before, "the failed command changed files on disk"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--trainer.max_epocs=3"], ["--data.init_args.data_dir=afile"], ["--ckpt_path", "corrupt.ckpt"]],
+    ids=["at-parse-time", "inside-fit", "checkpoint"],
+)
+def test_real_command_exits_2_without_traceback(tmp_path: Path, run_cli, extra: list) -> None:  # noqa: ANN001
+    _workspace(tmp_path)
+    before = _snapshot(tmp_path)
+    done = run_cli(*BASE, *extra)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert sum(line.startswith("error:") for line in done.stderr.splitlines()) == 1
+    assert _snapshot(tmp_path) == before
