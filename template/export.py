@@ -39,14 +39,14 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         ) from None
 
 
-def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX) -> dict[str, Tensor]:
+def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX, source: str = "the file") -> dict[str, Tensor]:
     """The bare network's weights inside ``checkpoint``, whichever way it was saved."""
     if isinstance(checkpoint, Mapping) and "pytorch-lightning_version" in checkpoint:
         # A Lightning checkpoint holds the whole LightningModule; keep the network's part.
         state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
         if not state:
             found = sorted({k.split(".")[0] for k in checkpoint["state_dict"]})
-            raise ConfigError(f"no weights under prefix '{prefix}' in the checkpoint (it has {found}); pass --prefix")
+            raise ConfigError(f"no weights under prefix '{prefix}' in {source} (it has {found}); pass --prefix")
     else:
         state = checkpoint
         for key in _NESTED_KEYS:
@@ -54,7 +54,7 @@ def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX) -> dict[st
                 state = state[key]
                 break
     if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ConfigError("the file does not hold a state_dict (a mapping of names to tensors)")
+        raise ConfigError(f"{source} does not hold a state_dict (a mapping of names to tensors); pass a checkpoint")
     return {clean_key(k): v for k, v in state.items()}
 
 
@@ -73,14 +73,15 @@ def load_weights(
     strict: bool = True,
 ) -> nn.Module:
     """Load weights from ``path`` (exported, Lightning, DP/DDP or compiled checkpoint) into the bare ``module``."""
-    module.load_state_dict(extract_state_dict(read_checkpoint(path, map_location), prefix), strict=strict)
+    state = extract_state_dict(read_checkpoint(path, map_location), prefix, source=f"'{path}'")
+    module.load_state_dict(state, strict=strict)
     return module
 
 
 def export(checkpoint_path: str | os.PathLike, output: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> Path:
     """Write the plain network ``state_dict`` of ``checkpoint_path`` to ``output`` (atomically); returns ``output``."""
     output = Path(output)
-    state = extract_state_dict(read_checkpoint(checkpoint_path), prefix)
+    state = extract_state_dict(read_checkpoint(checkpoint_path), prefix, source=f"'{checkpoint_path}'")
     if output.resolve() == Path(checkpoint_path).resolve():
         raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
     output.parent.mkdir(parents=True, exist_ok=True)
