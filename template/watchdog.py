@@ -46,8 +46,9 @@ class HangWatchdog(Callback):
             strategy._timeout = timedelta(seconds=self.timeout)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if _launched_children(trainer) is None and trainer.local_rank > 0 and _launched_by_lightning(trainer):
-            # A child rank dies with its launcher, even when the launcher is SIGKILLed and runs no cleanup.
+        if trainer.local_rank > 0 and _launched_children(trainer) is None:
+            # A child rank dies with the process that started it (Lightning's launcher, torchrun's agent), even
+            # when that one is SIGKILLed and runs no cleanup: a hung child would otherwise live on as an orphan.
             _die_with_parent()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -91,13 +92,6 @@ def _launched_children(trainer: Trainer) -> list[subprocess.Popen] | None:
     if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
         return list(launcher.procs)
     return None
-
-
-def _launched_by_lightning(trainer: Trainer) -> bool:
-    launcher = getattr(trainer.strategy, "launcher", None)
-    if not isinstance(launcher, _SubprocessScriptLauncher):
-        return False
-    return not launcher.cluster_environment.creates_processes_externally
 
 
 def _die_with_parent() -> None:

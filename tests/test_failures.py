@@ -38,8 +38,12 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
-@pytest.mark.parametrize(("mode", "rank"), [("raise", 1), ("kill", 1), ("hang", 1), ("hang", 0)])
-def test_failing_rank_ends_the_job(tmp_path: Path, mode: str, rank: int) -> None:
+@pytest.mark.parametrize(
+    ("mode", "rank", "kill_launcher"),
+    [("raise", 1, False), ("kill", 1, False), ("hang", 1, False), ("hang", 0, False), ("hang", 1, True)],
+    ids=["raise", "sigkill", "hang", "hang-rank0", "hang-then-launcher-sigkilled"],
+)
+def test_failing_rank_ends_the_job(tmp_path: Path, mode: str, rank: int, kill_launcher: bool) -> None:
     record = tmp_path / "record"
     plant = {
         "trainer": {
@@ -61,6 +65,14 @@ def test_failing_rank_ends_the_job(tmp_path: Path, mode: str, rank: int) -> None
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     job = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **pipes)
     try:
+        if kill_launcher:
+            # The launcher dies without any cleanup (OOM killer, scheduler): its hung child must not live on.
+            deadline = time.monotonic() + 120
+            while not (record / "failed-at").is_file():
+                assert time.monotonic() < deadline and job.poll() is None, "the planted hang never happened"
+                time.sleep(0.1)
+            time.sleep(0.5)
+            job.send_signal(signal.SIGKILL)
         try:
             _, stderr = job.communicate(timeout=120 + TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -68,7 +80,8 @@ def test_failing_rank_ends_the_job(tmp_path: Path, mode: str, rank: int) -> None
         ended = time.time()
         assert (record / "failed-at").is_file(), f"the planted failure never ran:\n{stderr[-3000:]}"
         seconds = ended - float((record / "failed-at").read_text())
-        print(f"\n{mode} on rank {rank}: exit code {job.returncode}, {seconds:.1f} s from failure to job exit")
+        label = f"{mode} on rank {rank}" + (", then rank 0 SIGKILLed" if kill_launcher else "")
+        print(f"\n{label}: exit code {job.returncode}, {seconds:.1f} s from failure to job exit")
         assert job.returncode != 0
         assert seconds <= TIMEOUT + 10, f"job took {seconds:.1f} s to end after the failure"
         pids = [int(p.read_text()) for p in sorted(record.glob("pid-rank*"))]
