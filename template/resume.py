@@ -74,10 +74,17 @@ class RNGStateCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pending_samplers is not None:
             generators = _sampler_generators(self._train_loaders())
+            restored = False
             for generator, saved in zip(generators, self._pending_samplers, strict=False):
                 if generator is not None and saved is not None:
                     generator.set_state(saved)
+                    restored = True
             self._pending_samplers = None
+            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+            if restored and fetcher is not None:
+                # Lightning built the epoch's iterator before this hook, drawing from the generator's old state;
+                # a new one draws from the restored state, as the uninterrupted run did.
+                iter(fetcher)
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(

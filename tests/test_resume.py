@@ -12,8 +12,11 @@ import pytest
 import torch
 import yaml
 from conftest import CONFIGS, PACKAGE, cli_env
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
 
-from template.resume import find_last_checkpoint
+from template.checkpoint_io import AtomicCheckpointIO
+from template.resume import RNGStateCheckpoint, find_last_checkpoint
 
 # Shuffled batches and dropout (the MLP's default 0.1) both draw random numbers: exactly what resume must restore.
 FAST = [
@@ -108,3 +111,44 @@ def test_ckpt_path_last_picks_the_newest_checkpoint(tmp_path: Path) -> None:
         stamp = 1_700_000_000 - 10 * age
         os.utime(path, (stamp, stamp))
     assert Path(find_last_checkpoint(tmp_path)) == new / "last.ckpt"
+
+
+class _Tiny(LightningModule):
+    """Dropout and a shuffled loader whose sampler draws from its own generator, not the global RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        data = TensorDataset(torch.arange(64.0).reshape(16, 4) / 64)
+        return DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+
+
+def _fit(tmp_path: Path, epochs: int, ckpt_path: Path | None = None) -> _Tiny:
+    seed_everything(0)
+    model = _Tiny()
+    trainer = Trainer(
+        max_epochs=epochs, callbacks=[RNGStateCheckpoint()], plugins=[AtomicCheckpointIO()], deterministic=True,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model, ckpt_path=ckpt_path)
+    trainer.save_checkpoint(tmp_path / f"epoch{epochs}.ckpt")
+    return model
+
+
+def test_sampler_generator_state_is_restored(tmp_path: Path) -> None:
+    straight = _fit(tmp_path / "a", epochs=2)
+    _fit(tmp_path / "b", epochs=1)
+    resumed = _fit(tmp_path / "b", epochs=2, ckpt_path=tmp_path / "b" / "epoch1.ckpt")
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    saved = torch.load(tmp_path / "b" / "epoch1.ckpt", weights_only=True)["callbacks"]["RNGStateCheckpoint"]
+    assert saved["ranks"][0]["samplers"][0] is not None  # the loader's own generator was saved, not only global RNG
