@@ -11,6 +11,8 @@ from pathlib import Path
 
 from cookiecutter.exceptions import FailedHookException
 
+from cookiecutter_bake.files import live_files, templated_files
+
 LICENSES = ("MIT", "Apache-2.0", "BSD-3-Clause", "none")
 _PACKAGE = re.compile(r"[a-z][a-z0-9_]*")
 _SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -93,8 +95,6 @@ def _lowest_python(root: Path) -> int:
 
 def top_level_names(root: Path) -> set[str]:
     """Names a package folder would collide with: the project's other top-level folders and modules."""
-    from cookiecutter_bake.files import live_files, templated_files
-
     package = package_folder(root)
     names = {rel.parts[0] for rel in [*live_files(root), *templated_files(root)] if len(rel.parts) > 1}
     names |= {Path(rel.parts[0]).stem for rel in live_files(root) if rel.suffix == ".py" and len(rel.parts) == 1}

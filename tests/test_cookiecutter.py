@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from cookiecutter.exceptions import FailedHookException, OutputDirExistsException
 from cookiecutter.main import cookiecutter
 
@@ -167,8 +168,10 @@ def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) 
     digits = Path("assets", "digits.csv.gz")
     assert (project / package / digits).read_bytes() == (REPO / OLD / digits).read_bytes()
     assert (project / ".ci" / "run").stat().st_mode & stat.S_IXUSR
-    assert (project / ".github" / "workflows" / "tests.yml").is_file()
-    assert "ruff" in (project / ".pre-commit-config.yaml").read_text()
+    workflow = yaml.safe_load((project / ".github" / "workflows" / "tests.yml").read_text())
+    assert "python -m pytest" in [step.get("run") for step in workflow["jobs"]["tests"]["steps"]]
+    hooks = yaml.safe_load((project / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"]
+    assert [hook["id"] for hook in hooks] == ["ruff-check", "ruff-format"]
     assert (project / ".gitignore").read_text() == (REPO / ".gitignore").read_text()
 
     meta = tomllib.loads((project / "pyproject.toml").read_text())
