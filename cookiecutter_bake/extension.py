@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from jinja2 import Environment
 from jinja2.ext import Extension
 
-from cookiecutter_bake.answers import check_answers
+from cookiecutter_bake.answers import AnswerError, check_answers
 from cookiecutter_bake.bake import readme_body
 
 _MODULE_ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,14 @@ def template_root() -> str:
 
 def _check(answers: Mapping[str, object]) -> str:
     # Runs while cookiecutter collects the answers: a bad one stops it before anything is written.
-    check_answers(answers, _MODULE_ROOT)
+    try:
+        check_answers(answers, _MODULE_ROOT)
+    except AnswerError as err:
+        # cookiecutter's command line prints this exception as one line; cruft's prints a whole traceback.
+        if "cruft._cli" in sys.modules:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
     return "yes"
 
 

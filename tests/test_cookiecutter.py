@@ -344,6 +344,15 @@ def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
     )  # fmt: skip
     assert created.returncode == 0, created.stderr[-2000:]
     project = tmp_path / "cruft" / "lightning-project"
+    refused = run(
+        [sys.executable, "-m", "cruft", "create", f"file://{remote}", "--no-input", "--config-file", str(config),
+         "--output-dir", str(tmp_path / "refused"), "--extra-context", json.dumps({"package_name": "lightning"})],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert refused.returncode == 2 and not (tmp_path / "refused").exists()
+    assert refused.stderr.splitlines() == [
+        "error: package_name 'lightning' would shadow the dependency 'lightning'; choose another package_name"
+    ]
     assert (project / "via_cruft" / "cli.py").is_file() and leftovers(project) == []
     assert "python -m via_cruft fit" in (project / "README.md").read_text()
     assert json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["package_name"] == "via_cruft"
