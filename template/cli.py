@@ -13,7 +13,7 @@ import torch
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
@@ -126,6 +126,14 @@ class CLI(LightningCLI):
         if trainer_config.get("plugins") is None:
             # Checkpoints are written atomically beside their target and loaded weights-only.
             kwargs.setdefault("plugins", [AtomicCheckpointIO()])
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
+            # Lightning's default bar redraws after every step, which costs more than a small model's step here;
+            # every 10th is as readable. A progress bar in trainer.callbacks replaces this one.
+            kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=10)])
         try:
             # Before Lightning's own accelerator checks, whose messages cannot point to the CPU alternative.
             check_dp_trainer_config(trainer_config)
