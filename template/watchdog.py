@@ -12,7 +12,6 @@ from datetime import timedelta
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from template.errors import ConfigError
@@ -27,7 +26,8 @@ class HangWatchdog(Callback):
         timeout: seconds a collective (all-reduce, barrier) may wait for the other processes before the job
             fails. It also bounds how long one rank may work alone while the others wait, e.g. a long
             ``prepare_data`` download on rank 0: raise it for such work.
-        grace: seconds the launching process gives its child ranks to exit on their own before killing them.
+        grace: seconds the launching process gives its child ranks to exit on their own after an error (not after
+            a timeout: then a rank is hung) before killing them.
     """
 
     def __init__(self, timeout: float = 600.0, grace: float = 3.0) -> None:
@@ -41,8 +41,9 @@ class HangWatchdog(Callback):
     def arm(self, trainer: Trainer) -> None:
         """Give the process group this timeout; called before the trainer starts its processes."""
         strategy = trainer.strategy
-        # Lightning's default (30 min) means nobody chose one; an explicit DDPStrategy(timeout=...) is kept.
-        if isinstance(strategy, DDPStrategy) and strategy._timeout == default_pg_timeout:
+        # DDP, FSDP and DeepSpeed keep the process-group timeout here. Lightning's default (30 min) means nobody
+        # chose one; an explicit DDPStrategy(timeout=...) is kept.
+        if getattr(strategy, "_timeout", None) == default_pg_timeout:
             strategy._timeout = timedelta(seconds=self.timeout)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

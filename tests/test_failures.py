@@ -15,7 +15,7 @@ import yaml
 from conftest import CONFIGS, PACKAGE, cli_env
 
 TESTS = Path(__file__).resolve().parent
-TIMEOUT = 20  # --watchdog.timeout for these runs: long enough for rank 1 to start on a loaded 2-core machine
+TIMEOUT = 15  # --watchdog.timeout here; it also bounds the rendezvous, so rank 1 must start within it
 
 
 def _session_processes(sid: int) -> list[int]:
