@@ -87,3 +87,30 @@ def test_ddp_still_splits_the_data_between_processes(run_cli, tmp_path: Path) ->
     # 1439 training samples, 2 processes of 32 per batch: each process reads its half (720 with padding) in 23
     # steps. Without Lightning's DistributedSampler each would read all 1439 in 45.
     assert checkpoint["global_step"] == 23
+
+
+def _trainer(tmp_path: Path, monkeypatch, *args: str):  # noqa: ANN001, ANN202
+    from lightning.pytorch import LightningDataModule
+
+    from template.cli import CLI
+    from template.model import Classifier
+
+    monkeypatch.chdir(tmp_path)
+    cli = CLI(
+        Classifier,
+        LightningDataModule,
+        subclass_mode_data=True,
+        args=["--config", str(CONFIGS / "default.yaml"), "--trainer.logger=false", *args],
+        run=False,
+    )
+    return cli.trainer
+
+
+def test_progress_bar_redraws_every_tenth_step_unless_configured(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    bar = _trainer(tmp_path, monkeypatch).progress_bar_callback
+    assert isinstance(bar, TQDMProgressBar) and bar.refresh_rate == 10
+    assert _trainer(tmp_path, monkeypatch, "--trainer.enable_progress_bar=false").progress_bar_callback is None
+    chosen = _trainer(tmp_path, monkeypatch, "--trainer.callbacks+=RichProgressBar").progress_bar_callback
+    assert isinstance(chosen, RichProgressBar)
