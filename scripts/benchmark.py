@@ -349,19 +349,20 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
     # The floor of every start-up: importing torch, Lightning, torchmetrics and the package's command line.
     imports = Cell("all", "imports", 1)
     cells.append(imports)
+    # Repeats are the outer loop: a burst of load from elsewhere then slows one run of every cell, not every run
+    # of one cell, and the medians stay comparable.
+    matrix = {name: [Cell(name, "hand-written", 1), Cell(name, "data pipeline", 1)] for name in workloads}
+    for name in workloads:
+        matrix[name] += [Cell(name, strategy, devices) for strategy, devices in pairs]
+        cells += matrix[name]
     for repeat in range(args.repeats):
         launched = time.time()
         _run([sys.executable, "-c", f"import {PACKAGE}.cli"], work, args)
         imports.startup_s.append(time.time() - launched)
         done += 1
         progress(imports, repeat, f"`import {PACKAGE}.cli` took {imports.startup_s[-1]:.1f} s")
-
-    for name, config_args in workloads.items():
-        hand = Cell(name, "hand-written", 1)
-        data = Cell(name, "data pipeline", 1)
-        cells += [hand, data]
-        batch = None
-        for repeat in range(args.repeats):
+        for name, config_args in workloads.items():
+            hand, data, *runs = matrix[name]
             out = work / f"{_slug(name)}-baseline-{repeat}.json"
             command = [sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(out)]
             command += [f"--warmup={args.warmup}", f"--steps={args.steps}", "--", *config_args]
@@ -374,15 +375,11 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
                 cell.ms_per_step.append(1000 * measured["seconds"] / measured["steps"])
                 cell.per_device_batch = measured["samples"] / measured["steps"]
             done += 1
-            progress(
-                hand, repeat, f"{hand.samples_per_s[-1]:>10,.0f} samples/s (data alone {data.samples_per_s[-1]:,.0f})"
-            )
+            note = f"{hand.samples_per_s[-1]:>10,.0f} samples/s (data alone {data.samples_per_s[-1]:,.0f})"
+            progress(hand, repeat, note)
 
-        for strategy, devices in pairs:
-            cell = Cell(name, strategy, devices)
-            cells.append(cell)
-            for repeat in range(args.repeats):
-                out = work / f"{_slug(name)}-{strategy}-{devices}-{repeat}.json"
+            for cell in runs:
+                out = work / f"{_slug(name)}-{cell.strategy}-{cell.devices}-{repeat}.json"
                 timer = {
                     "class_path": f"{MODULE}.StepTimer",
                     "init_args": {"out_path": str(out), "warmup": args.warmup, "steps": args.steps},
@@ -395,7 +392,7 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
                     "--trainer.limit_val_batches=0",
                     "--trainer.num_sanity_val_steps=0",
                     f"--trainer.default_root_dir={work / 'runs'}",
-                    *_strategy_args(strategy, devices, gpus, batch),
+                    *_strategy_args(cell.strategy, cell.devices, gpus, batch),
                     f"--trainer.callbacks+={json.dumps(timer)}",
                 ]
                 launched = time.time()
@@ -404,13 +401,10 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
                 cell.samples_per_s.append(result["samples"] / result["seconds"])
                 cell.ms_per_step.append(1000 * result["seconds"] / result["steps"])
                 cell.startup_s.append(result["first_step"] - launched)
-                cell.per_device_batch = result["samples"] / result["steps"] / devices
+                cell.per_device_batch = result["samples"] / result["steps"] / cell.devices
                 done += 1
-                progress(
-                    cell,
-                    repeat,
-                    f"{cell.samples_per_s[-1]:>10,.0f} samples/s, first step after {cell.startup_s[-1]:.1f} s",
-                )
+                note = f"{cell.samples_per_s[-1]:>10,.0f} samples/s, first step after {cell.startup_s[-1]:.1f} s"
+                progress(cell, repeat, note)
     return cells
 
 
