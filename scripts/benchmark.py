@@ -346,6 +346,11 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
             file=sys.stderr,
         )
 
+    if "dp" in args.strategies and not gpus:
+        print("note: dp runs only on GPUs (DataParallel on the CPU does nothing); skipped here", file=sys.stderr)
+    cells_text = ", ".join(f"{strategy} x {devices}" for strategy, devices in pairs)
+    print(f"{total} runs: {args.repeats} x (import, then per workload: hand-written, {cells_text})", file=sys.stderr)
+
     # The floor of every start-up: importing torch, Lightning, torchmetrics and the package's command line.
     imports = Cell("all", "imports", 1)
     cells.append(imports)
@@ -548,7 +553,8 @@ def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
                 xs, ys = zip(*points, strict=True)
                 line = "-" if len(xs) > 1 else "none"
                 size = 11 if marker == "*" else 7
-                ax.plot(xs, ys, marker=marker, linestyle=line, color=color, label=strategy, markersize=size)
+                label = "hand-written loop" if strategy == "hand-written" else f"template, {strategy}"
+                ax.plot(xs, ys, marker=marker, linestyle=line, color=color, label=label, markersize=size)
         single = next((r for r in mine if r["strategy"] == "single"), None)
         top = max(r["devices"] for r in mine)
         if single and top > 1:
