@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -114,3 +115,38 @@ def test_progress_bar_redraws_every_tenth_step_unless_configured(tmp_path: Path,
     assert _trainer(tmp_path, monkeypatch, "--trainer.enable_progress_bar=false").progress_bar_callback is None
     chosen = _trainer(tmp_path, monkeypatch, "--trainer.callbacks+=RichProgressBar").progress_bar_callback
     assert isinstance(chosen, RichProgressBar)
+
+
+def test_bulk_updated_epoch_metrics_equal_per_step_updates(tmp_path: Path) -> None:
+    from lightning.pytorch import Callback, Trainer
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from template.model import Classifier
+    from template.nets import MLP
+
+    class PerStep(Callback):
+        """The straightforward way: update fresh metrics on every step, from the same predictions."""
+
+        def __init__(self) -> None:
+            self.acc, self.loss = MulticlassAccuracy(10), MeanMetric()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            with torch.no_grad():  # no dropout in this net: the same logits the step computes next
+                self.acc.update(pl_module(batch[0]), batch[1])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            self.loss.update(outputs["loss"], len(batch[1]))
+
+    torch.manual_seed(0)
+    digits = DigitsDataModule(data_dir=str(tmp_path), batch_size=50)  # 1439 samples: a short last batch of 39
+    model = Classifier(MLP((1, 8, 8), 10, dropout=0.0), num_classes=10)
+    per_step = PerStep()
+    trainer = Trainer(
+        max_epochs=1, limit_val_batches=0, log_every_n_steps=7, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[per_step], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model, digits)
+    logged = trainer.callback_metrics
+    assert float(logged["train_acc"]) == pytest.approx(float(per_step.acc.compute()), abs=1e-6)
+    assert float(logged["train_loss_epoch"]) == pytest.approx(float(per_step.loss.compute()), abs=1e-6)
