@@ -176,7 +176,7 @@ class CLI(LightningCLI):
             root = config.get("trainer.default_root_dir") or "."
             config["ckpt_path"] = ckpt_path = find_last_checkpoint(root, config.get("checkpoint.dirpath"))
             rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
-        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not _is_file(ckpt_path):
+        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not Path(ckpt_path).is_file():
             raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
         if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS:
             try:
@@ -192,33 +192,17 @@ class CLI(LightningCLI):
                 ) from None
         super()._parse_ckpt_path()
 
-    def _check_ckpt_path(self) -> None:
-        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
-        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not _is_file(ckpt_path):
-            raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
-
-    def _apply_global_batch(self) -> None:
+    def before_fit(self) -> None:
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.
         for callback in self.trainer.callbacks:
             if isinstance(callback, BatchScaling):
                 callback.apply_batch_size(self.trainer, self.datamodule)
 
-    def before_fit(self) -> None:
-        self._check_ckpt_path()
-        self._apply_global_batch()
-
-    def before_validate(self) -> None:
-        self._check_ckpt_path()
-        self._apply_global_batch()
-
-    def before_test(self) -> None:
-        self._check_ckpt_path()
-        self._apply_global_batch()
+    before_validate = before_test = before_fit
 
     def before_predict(self) -> None:
-        self._check_ckpt_path()
-        self._apply_global_batch()
+        self.before_fit()
         self.trainer.callbacks.append(PredictionWriter())
 
     def after_predict(self) -> None:
@@ -270,10 +254,6 @@ def _default_loggers(root: str | None) -> list:
     csv = CSVLogger(save_dir=root, name="lightning_logs")
     # CSV first: it is the logger whose folder Lightning uses for config.yaml and checkpoints.
     return [csv, TensorBoardLogger(save_dir=root, name="lightning_logs", version=csv.version)]
-
-
-def _is_file(path: str) -> bool:
-    return Path(path).is_file()
 
 
 def _check_yaml_files(argv: list[str]) -> None:

@@ -39,7 +39,7 @@ def test_split_is_deterministic_and_seeded(tmp_path, digits):
 def test_batches_have_the_declared_shapes(digits):
     x, y = next(iter(digits.train_dataloader()))
     assert x.shape == (32, *DigitsDataModule.input_shape) and x.dtype == torch.float32
-    assert 0.0 <= x.min() and x.max() <= 1.0
+    assert x.min() >= 0.0 and x.max() <= 1.0
     assert y.dtype == torch.long and set(y.tolist()) <= set(range(DigitsDataModule.num_classes))
     assert len(digits.val_dataloader().dataset) == 179
 
