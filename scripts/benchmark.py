@@ -255,6 +255,7 @@ class Cell:
     ms_per_step: list[float] = field(default_factory=list)
     startup_s: list[float] = field(default_factory=list)
     per_device_batch: float | None = None
+    import_seconds: dict[str, float] = field(default_factory=dict)  # for the imports cell: seconds per package
 
     @property
     def throughput(self) -> float:
@@ -295,6 +296,45 @@ def _run(command: list[str], cwd: Path, args: argparse.Namespace) -> None:
 
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+# The packages start-up time is attributed to: a module's own import time counts for the innermost of these that
+# imported it (torch._dynamo's sympy counts for torch._dynamo, torchmetrics' matplotlib for matplotlib).
+IMPORT_GROUPS = ("torch", "torch._dynamo", "lightning", "torchmetrics", "matplotlib", "jsonargparse")
+
+
+def import_breakdown(work: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds of ``import <package>.cli`` per group of IMPORT_GROUPS and the package, from ``python -X importtime``."""
+    command = [sys.executable, "-X", "importtime", "-c", f"import {PACKAGE}.cli"]
+    result = subprocess.run(
+        command, cwd=work, env=_child_env(args.threads), capture_output=True, text=True, timeout=args.timeout
+    )
+    groups = (*IMPORT_GROUPS, PACKAGE)
+    # importtime prints a module after the modules it imported, each level indented by two more spaces.
+    finished: list[tuple[int, str, float, list]] = []  # (depth, name, self seconds, children)
+    for line in result.stderr.splitlines():
+        fields = line.removeprefix("import time:").split("|")
+        if len(fields) != 3 or not fields[0].strip().isdigit():
+            continue  # the header line, or anything else on stderr
+        name = fields[2].strip()
+        depth = (len(fields[2]) - len(fields[2].lstrip()) - 1) // 2
+        children = []
+        while finished and finished[-1][0] > depth:
+            children.insert(0, finished.pop())
+        finished.append((depth, name, int(fields[0]) / 1e6, children))
+
+    seconds: dict[str, float] = {}
+
+    def attribute(node: tuple[int, str, float, list], group: str) -> None:
+        _, name, own, children = node
+        group = max((g for g in groups if name == g or name.startswith(g + ".")), key=len, default=group)
+        seconds[group] = seconds.get(group, 0.0) + own
+        for child in children:
+            attribute(child, group)
+
+    for root in finished:
+        attribute(root, "other")
+    return seconds
 
 
 def _device_counts(maximum: int) -> list[int]:
@@ -366,6 +406,8 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
         imports.startup_s.append(time.time() - launched)
         done += 1
         progress(imports, repeat, f"`import {PACKAGE}.cli` took {imports.startup_s[-1]:.1f} s")
+        if repeat == 0:
+            imports.import_seconds = import_breakdown(work, args)
         for name, config_args in workloads.items():
             hand, data, *runs = matrix[name]
             out = work / f"{_slug(name)}-baseline-{repeat}.json"
@@ -479,9 +521,11 @@ def summary_lines(cells: list[Cell]) -> list[str]:
             f"first training step {single.startup:.1f} s after `python -m {PACKAGE} fit` starts."
         )
     if imports is not None:
+        parts = imports.import_seconds
+        shares = ", ".join(f"{name} {parts.get(name, 0.0):.2f} s" for name in (*IMPORT_GROUPS, PACKAGE, "other"))
         lines.append(
-            f"- **start-up**: `python -c 'import {PACKAGE}.cli'` (torch, Lightning, torchmetrics and the package) "
-            f"takes {imports.startup:.1f} s of that."
+            f"- **start-up**: `python -c 'import {PACKAGE}.cli'` alone takes {imports.startup:.1f} s of that. Import "
+            f"time by what pulled it in (`python -X importtime`): {shares}."
         )
     return lines
 
