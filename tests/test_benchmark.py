@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO, cli_env
+from tests.conftest import CONFIGS, PACKAGE, REPO, cli_env
 
 SCRIPTS = REPO / "scripts"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -76,6 +77,9 @@ def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: 
     assert markdown.startswith("Machine: ") and "CPU cores" in markdown
     assert "| strategy | devices | batch/device | samples/s |" in markdown and "| ddp | 2 | 64 |" in markdown
     assert "the time per step of the hand-written loop" in markdown and "what training consumes" in markdown
+    # Start-up: how long the imports take, and how much of that is the package's own modules (well under a second).
+    own = re.search(rf"Import time by what pulled it in .*\b{PACKAGE} (\d+\.\d+) s", markdown)
+    assert own and float(own.group(1)) < 1.0, markdown[-800:]
     _assert_png(out / "benchmark.png")
 
 
