@@ -185,7 +185,9 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
         """Everything `fit` does up to the moment it would start training (same seed, links and batch)."""
 
         def before_fit(self) -> None:
-            super().before_fit()
+            parent = getattr(super(), "before_fit", None)  # LightningCLI itself has no such hook
+            if parent is not None:
+                parent()
             raise Built(self)
 
     try:
