@@ -526,8 +526,8 @@ def summary_lines(cells: list[Cell]) -> list[str]:
         parts = imports.import_seconds
         shares = ", ".join(f"{name} {parts.get(name, 0.0):.2f} s" for name in (*IMPORT_GROUPS, PACKAGE, "other"))
         lines.append(
-            f"- **start-up**: `python -c 'import {PACKAGE}.cli'` alone takes {imports.startup:.1f} s of that. Import "
-            f"time by what pulled it in (`python -X importtime`): {shares}."
+            f"- **start-up**: `python -c 'import {PACKAGE}.cli'` alone takes {imports.startup:.1f} s (median of its "
+            f"own runs). Import time by what pulled it in (`python -X importtime`): {shares}."
         )
     return lines
 
