@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -324,9 +325,11 @@ def test_module_without_the_named_network_is_refused(tmp_path: Path, pass_throug
     assert trainer.global_step == 1
 
 
-def test_single_process_collectives_are_no_ops() -> None:
+def test_single_process_collectives_are_no_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     strategy = DataParallelStrategy(parallel_devices=[torch.device("cuda", 1), torch.device("cuda", 0)])
     environment = LightningEnvironment()
+    # set_global_rank also sets the process-wide rank_zero_only.rank: restore it, or later Trainers here stop logging.
+    monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)
     environment.set_global_rank(3)  # whatever a detected cluster says, dp is one process
     strategy.cluster_environment = environment
     value = torch.tensor([1.0, 3.0])
