@@ -41,3 +41,22 @@ def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
         )
 
     return run
+
+
+@pytest.fixture
+def run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """Run the command line inside this process, in ``tmp_path``: no interpreter start-up, for runs that stop early."""
+    from template.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [PACKAGE])
+        code = 0
+        try:
+            main(list(map(str, args)))
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run

@@ -77,8 +77,8 @@ def test_predict_writes_one_prediction_per_test_sample(trained, run_cli):
     assert {int(r["prediction"]) for r in rows} <= set(range(10))
 
 
-def test_print_config_round_trip(run_cli, tmp_path):
-    printed = run_cli("fit", "--config", CONFIGS / "default.yaml", "--trainer.max_epochs=1", "--print_config")
+def test_print_config_round_trip(run_main, run_cli, tmp_path):
+    printed = run_main("fit", "--config", CONFIGS / "default.yaml", "--trainer.max_epochs=1", "--print_config")
     assert printed.returncode == 0, printed.stderr
     config = yaml.safe_load(printed.stdout)
     assert config["model"]["net"]["class_path"].endswith("nets.MLP")

@@ -130,8 +130,8 @@ def test_class_path_form_with_init_args(tmp_path: Path) -> None:
     )
 
 
-def test_print_config_shows_dp(run_cli) -> None:
-    result = run_cli("fit", "--config", CONFIGS / "dp.yaml", "--print_config")
+def test_print_config_shows_dp(run_main) -> None:
+    result = run_main("fit", "--config", CONFIGS / "dp.yaml", "--print_config")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "  strategy: dp\n" in result.stdout
 
@@ -160,8 +160,8 @@ def test_dp_without_a_gpu_points_to_the_cpu_config(run_cli, tmp_path: Path) -> N
         ("--trainer.sync_batchnorm=true", r"sync_batchnorm=true needs one process per GPU \(strategy ddp\)"),
     ],
 )
-def test_settings_dp_cannot_run(run_cli, override: str, expected: str) -> None:
-    line = one_line_error(run_cli("fit", "--config", CONFIGS / "dp.yaml", override))
+def test_settings_dp_cannot_run(run_main, override: str, expected: str) -> None:
+    line = one_line_error(run_main("fit", "--config", CONFIGS / "dp.yaml", override))
     assert re.search(expected, line), line
 
 
