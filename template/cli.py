@@ -89,6 +89,8 @@ class CLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         self.parser_class = ArgumentParser
+        # argparse would otherwise take a misspelt prefix (--trainer.max_epoch) silently as the option it abbreviates.
+        kwargs.setdefault("allow_abbrev", False)
         return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:

@@ -31,6 +31,7 @@ CASES = {
     "cpu-device-index": (["--trainer.accelerator=cpu", "--trainer.devices=[5]"], ["[5]", "--trainer.devices=2"]),
     "gpu-device-index": (["--trainer.accelerator=gpu", "--trainer.devices=[63]"], ["[63]", "visible"]),
     "misspelt-option": (["--trainer.max_epocs=3"], ["max_epocs", "--help"]),
+    "abbreviated-option": (["--trainer.max_epoch=3"], ["max_epoch=3", "--help"]),
     "misspelt-yaml-key": (["--config", "typo.yaml"], ["max_epocs", "spelling"]),
     "missing-config-file": (["--config", "nope.yaml"], ["nope.yaml", "--config"]),
     "malformed-yaml": (["--config", "broken.yaml"], ["broken.yaml", "line 3", "fix the syntax"]),
