@@ -52,22 +52,24 @@ def _explain(message: str) -> str:
     """Turn jsonargparse's message into: what is wrong, with which value, and what to do."""
     text = _one_line(message)
     help_hint = "run with --help to list the valid options"
-    if m := re.search(r'No action for key "([^"]+)"', text):
-        return f"unknown option '{m.group(1)}'; check its spelling and nesting, or {help_hint}"
-    if m := re.search(r"does not accept option '([^']+)'", text):
-        return f"unknown option '{m.group(1)}'; check its spelling and nesting, or {help_hint}"
+    if m := re.search(r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'", text):
+        return f"unknown option '{m.group(1) or m.group(2)}'; check its spelling and nesting, or {help_hint}"
     if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
         return f"unknown argument(s) {m.group(1)}; {help_hint}"
     if m := re.search(r'Parser key "config":.*?File does not exist: (.*)$', text):
         return f"config file {m.group(1).strip()} does not exist; check the path given to --config"
+    # A bad init_args value is reported by jsonargparse as a problem with the whole class_path.
+    if m := re.search(
+        r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text
+    ):
+        return f"invalid value {m.group(4)!r} for '{m.group(1)}.init_args.{m.group(2)}'; {_first_reason(m.group(3))}"
     if m := re.search(r'Parser key "([^"]+)":.*?Problem with given class_path (\S+): (.*?)( - |$)', text):
         return (
             f"class_path {m.group(2)} for '{m.group(1)}' cannot be used ({m.group(3).strip()}); check its spelling "
             "and that its module is importable (on PYTHONPATH)"
         )
-    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+, value: (.*)$', text):
-        return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
-    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: .*? Given value: (.*)$', text):
+    # jsonargparse words the rejected value "Given value type: T, value: V" or "... Given value: V".
+    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$', text):
         return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
     if m := re.search(r'Parser key "([^"]+)":\s*(.*)$', text):
         return f"invalid value for '{m.group(1)}': {m.group(2)}"
@@ -81,6 +83,8 @@ def _first_reason(details: str) -> str:
     details = details.strip(" -")
     if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
         return f"expected one of {', '.join(choices)}"
+    if types := re.findall(r"Expected a <class '([\w.]+)'>", details):
+        return "expected " + " or ".join("null" if t == "NoneType" else t for t in types)
     return details[:300]
 
 

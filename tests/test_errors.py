@@ -43,6 +43,8 @@ CASES = {
     "negative-batch-size": (["--data.init_args.batch_size=-5"], ["batch_size", "got -5", "--data.batch_size=64"]),
     "unknown-net-class-path": (["--model.net=mypkg.nets.Nope"], ["mypkg.nets.Nope", "PYTHONPATH"]),
     "unknown-data-class-path": (["--data=mypkg.data.Nope"], ["mypkg.data.Nope", "PYTHONPATH"]),
+    "wrong-value-type": (["--trainer.max_epochs=abc"], ["'abc'", "trainer.max_epochs", "expected int"]),
+    "wrong-init-arg-type": (["--data.init_args.batch_size=x"], ["'x'", "data.init_args.batch_size", "expected int"]),
     "invalid-precision": (["--trainer.precision=17"], ["'17'", "precision", "32-true"]),
     "zero-nodes": (["--trainer.num_nodes=0"], ["num_nodes", "got 0", "number of machines"]),
     "data-dir-is-a-file": (["--data.init_args.data_dir=afile"], ["afile", "directory"]),
