@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -16,11 +14,10 @@ from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.checkpoint_io import AtomicCheckpointIO
-from template.errors import ConfigError
+from template.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
 from template.model import Classifier
 from template.predictions import PredictionWriter
 from template.resume import RNGStateCheckpoint, find_last_checkpoint
@@ -32,60 +29,14 @@ from template.watchdog import HangWatchdog
 _SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
 
 
-def _one_line(message: str) -> str:
-    """Squeeze a multi-line library message into one line, dropping the usage noise around it."""
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    return " ".join(lines)
-
-
 class ArgumentParser(LightningArgumentParser):
     """Reports a bad option or value as one ``error:`` line instead of usage text."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)
-        print(f"error: {_explain(message)}", file=sys.stderr)
+        print(f"error: {explain_parser_error(message)}", file=sys.stderr)
         self.exit(2)
-
-
-def _explain(message: str) -> str:
-    """Turn jsonargparse's message into: what is wrong, with which value, and what to do."""
-    text = _one_line(message)
-    help_hint = "run with --help to list the valid options"
-    if m := re.search(r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'", text):
-        return f"unknown option '{m.group(1) or m.group(2)}'; check its spelling and nesting, or {help_hint}"
-    if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
-        return f"unknown argument(s) {m.group(1)}; {help_hint}"
-    if m := re.search(r'Parser key "config":.*?File does not exist: (.*)$', text):
-        return f"config file {m.group(1).strip()} does not exist; check the path given to --config"
-    # A bad init_args value is reported by jsonargparse as a problem with the whole class_path.
-    if m := re.search(
-        r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text
-    ):
-        return f"invalid value {m.group(4)!r} for '{m.group(1)}.init_args.{m.group(2)}'; {_first_reason(m.group(3))}"
-    if m := re.search(r'Parser key "([^"]+)":.*?Problem with given class_path (\S+): (.*?)( - |$)', text):
-        return (
-            f"class_path {m.group(2)} for '{m.group(1)}' cannot be used ({m.group(3).strip()}); check its spelling "
-            "and that its module is importable (on PYTHONPATH)"
-        )
-    # jsonargparse words the rejected value "Given value type: T, value: V" or "... Given value: V".
-    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$', text):
-        return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
-    if m := re.search(r'Parser key "([^"]+)":\s*(.*)$', text):
-        return f"invalid value for '{m.group(1)}': {m.group(2)}"
-    if "Unable to load config" in text or "does not exist" in text:
-        return f"{text}; check the path given to --config"
-    return text
-
-
-def _first_reason(details: str) -> str:
-    """jsonargparse lists why each member of a Union rejected a value; the first is usually the useful one."""
-    details = details.strip(" -")
-    if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
-        return f"expected one of {', '.join(choices)}"
-    if types := re.findall(r"Expected a <class '([\w.]+)'>", details):
-        return "expected " + " or ".join("null" if t == "NoneType" else t for t in types)
-    return details[:300]
 
 
 class CLI(LightningCLI):
@@ -150,7 +101,7 @@ class CLI(LightningCLI):
             if getattr(launcher, "cluster_environment", None) is not None:
                 launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
         except (MisconfigurationException, ValueError) as err:
-            raise ConfigError(_explain_trainer_error(_one_line(err))) from None
+            raise ConfigError(explain_trainer_error(one_line(err))) from None
         except TypeError as err:
             if "devices" not in str(err):
                 raise
@@ -168,7 +119,7 @@ class CLI(LightningCLI):
             super().instantiate_classes()
         except ValueError as err:
             # jsonargparse wraps a ConfigError raised by a model or DataModule constructor in its own message.
-            cause = _config_error_in(err)
+            cause = config_error_in(err)
             if cause is None:
                 raise
             raise cause from None
@@ -189,7 +140,7 @@ class CLI(LightningCLI):
                 # mmap reads the archive's index, not the tensors: a cheap check that the file is whole.
                 torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:  # junk bytes make the unpickler fail in arbitrary ways
-                reason = _one_line(err).split(". ")[0][:200]
+                reason = one_line(err).split(". ")[0][:200]
                 if "mmap can only be used" in reason:
                     reason = "not a PyTorch checkpoint archive"
                 raise ConfigError(
@@ -235,25 +186,6 @@ def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the inst
     return read
 
 
-def _explain_trainer_error(text: str) -> str:
-    """Lightning's complaint about the Trainer settings; GPU indices are explained against the visible GPUs."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    note = f" (CUDA_VISIBLE_DEVICES={visible} hides the others and renumbers these from 0)" if visible else ""
-    if m := re.search(r"You requested gpu: (\[.*?\]) But your machine only has: (\[.*?\])", text):
-        return (
-            f"trainer.devices asks for GPU index(es) {m.group(1)} but the GPUs visible to this process are "
-            f"{m.group(2)}{note}; list only those, or set `devices: N` for the first N"
-        )
-    if "No supported gpu backend found" in text or "GPUs requested but none are available" in text:
-        return f"trainer.accelerator asks for a GPU but this process sees none{note}; use accelerator cpu or auto"
-    if m := re.search(r"`num_nodes` must be a positive integer, but got (\S+?)\.?$", text):
-        return f"trainer.num_nodes must be >= 1, got {m.group(1)}; set it to the number of machines (1 for one)"
-    if m := re.search(r"invalid strategy name: `strategy=(.*?)`", text):
-        names = ", ".join(n for n in sorted(StrategyRegistry.available_strategies()) if "find_unused" not in n)
-        return f"unknown trainer.strategy {m.group(1)}; use one of: {names} (or a Strategy class_path)"
-    return f"invalid trainer settings: {text}"
-
-
 def _default_loggers(root: str | None) -> list:
     """TensorBoard and CSV logs side by side in one version folder under ``default_root_dir``."""
     root = root or "."
@@ -274,20 +206,9 @@ def _check_yaml_files(argv: list[str]) -> None:
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or _one_line(err)
+            problem = getattr(err, "problem", None) or one_line(err)
             message = f"config file '{path}' is not valid YAML: {problem}{where}; fix the syntax there"
             raise ConfigError(message) from None
-
-
-def _config_error_in(err: BaseException) -> ConfigError | None:
-    """The ConfigError that caused ``err``, if any, following the exception chain."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, ConfigError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
 
 
 def main(args: list[str] | None = None) -> None:

@@ -1,5 +1,89 @@
-"""The one exception type that the command line reports as a single line instead of a traceback."""
+"""User mistakes as one line: the exception the command line reports without a traceback, and the translation of
+library messages (jsonargparse, Lightning) into a line that names the bad value and the fix."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 
 class ConfigError(Exception):
     """A mistake in the user's configuration or input; the message names the bad value and the fix."""
+
+
+def one_line(message: str) -> str:
+    """Squeeze a multi-line library message into one line, dropping the usage noise around it."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return " ".join(lines)
+
+
+def explain_parser_error(message: str) -> str:
+    """Turn jsonargparse's message into: what is wrong, with which value, and what to do."""
+    text = one_line(message)
+    help_hint = "run with --help to list the valid options"
+    if m := re.search(r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'", text):
+        return f"unknown option '{m.group(1) or m.group(2)}'; check its spelling and nesting, or {help_hint}"
+    if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
+        return f"unknown argument(s) {m.group(1)}; {help_hint}"
+    if m := re.search(r'Parser key "config":.*?File does not exist: (.*)$', text):
+        return f"config file {m.group(1).strip()} does not exist; check the path given to --config"
+    # A bad init_args value is reported by jsonargparse as a problem with the whole class_path.
+    if m := re.search(
+        r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text
+    ):
+        return f"invalid value {m.group(4)!r} for '{m.group(1)}.init_args.{m.group(2)}'; {_first_reason(m.group(3))}"
+    if m := re.search(r'Parser key "([^"]+)":.*?Problem with given class_path (\S+): (.*?)( - |$)', text):
+        return (
+            f"class_path {m.group(2)} for '{m.group(1)}' cannot be used ({m.group(3).strip()}); check its spelling "
+            "and that its module is importable (on PYTHONPATH)"
+        )
+    # jsonargparse words the rejected value "Given value type: T, value: V" or "... Given value: V".
+    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$', text):
+        return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
+    if m := re.search(r'Parser key "([^"]+)":\s*(.*)$', text):
+        return f"invalid value for '{m.group(1)}': {m.group(2)}"
+    if "Unable to load config" in text or "does not exist" in text:
+        return f"{text}; check the path given to --config"
+    return text
+
+
+def _first_reason(details: str) -> str:
+    """jsonargparse lists why each member of a Union rejected a value; the first is usually the useful one."""
+    details = details.strip(" -")
+    if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
+        return f"expected one of {', '.join(choices)}"
+    if types := re.findall(r"Expected a <class '([\w.]+)'>", details):
+        return "expected " + " or ".join("null" if t == "NoneType" else t for t in types)
+    return details[:300]
+
+
+def explain_trainer_error(text: str) -> str:
+    """Lightning's complaint about the Trainer settings; GPU indices are explained against the visible GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    note = f" (CUDA_VISIBLE_DEVICES={visible} hides the others and renumbers these from 0)" if visible else ""
+    if m := re.search(r"You requested gpu: (\[.*?\]) But your machine only has: (\[.*?\])", text):
+        return (
+            f"trainer.devices asks for GPU index(es) {m.group(1)} but the GPUs visible to this process are "
+            f"{m.group(2)}{note}; list only those, or set `devices: N` for the first N"
+        )
+    if "No supported gpu backend found" in text or "GPUs requested but none are available" in text:
+        return f"trainer.accelerator asks for a GPU but this process sees none{note}; use accelerator cpu or auto"
+    if m := re.search(r"`num_nodes` must be a positive integer, but got (\S+?)\.?$", text):
+        return f"trainer.num_nodes must be >= 1, got {m.group(1)}; set it to the number of machines (1 for one)"
+    if m := re.search(r"invalid strategy name: `strategy=(.*?)`", text):
+        names = ", ".join(n for n in sorted(StrategyRegistry.available_strategies()) if "find_unused" not in n)
+        return f"unknown trainer.strategy {m.group(1)}; use one of: {names} (or a Strategy class_path)"
+    return f"invalid trainer settings: {text}"
+
+
+def config_error_in(err: BaseException) -> ConfigError | None:
+    """The ConfigError that caused ``err``, if any, following the exception chain."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, ConfigError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

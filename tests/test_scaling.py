@@ -13,9 +13,8 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch.nn import functional as F
 from torch.optim import lr_scheduler
 
-from template.cli import _explain_trainer_error, _one_line
 from template.data import DigitsDataModule
-from template.errors import ConfigError
+from template.errors import ConfigError, explain_trainer_error, one_line
 from template.nets import MLP
 from template.scaling import BatchScaling, lr_factor, per_process_batch_size, scale_learning_rates
 from tests.conftest import CONFIGS, cli_env
@@ -250,7 +249,7 @@ def test_missing_gpu_index_message_names_the_visible_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     with pytest.raises(MisconfigurationException) as err:
         _parse_gpu_ids([0, 3], include_cuda=True)
-    message = _explain_trainer_error(_one_line(err.value))
+    message = explain_trainer_error(one_line(err.value))
     assert message == (
         "trainer.devices asks for GPU index(es) [0, 3] but the GPUs visible to this process are [0, 1] "
         "(CUDA_VISIBLE_DEVICES=4,6 hides the others and renumbers these from 0); list only those, "
