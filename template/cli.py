@@ -13,11 +13,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.checkpoint_io import AtomicCheckpointIO
 from template.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
+from template.loggers import default_loggers
 from template.model import Classifier
 from template.predictions import PredictionWriter
 from template.resume import RNGStateCheckpoint, find_last_checkpoint
@@ -79,7 +79,7 @@ class CLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
         if trainer_config.get("logger") in (None, True):
-            kwargs.setdefault("logger", _default_loggers(trainer_config.get("default_root_dir")))
+            kwargs.setdefault("logger", default_loggers(trainer_config.get("default_root_dir")))
         if trainer_config.get("plugins") is None:
             # Checkpoints are written atomically beside their target and loaded weights-only.
             kwargs.setdefault("plugins", [AtomicCheckpointIO()])
@@ -184,14 +184,6 @@ def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the inst
         return list(value) if isinstance(value, tuple) else value
 
     return read
-
-
-def _default_loggers(root: str | None) -> list:
-    """TensorBoard and CSV logs side by side in one version folder under ``default_root_dir``."""
-    root = root or "."
-    csv = CSVLogger(save_dir=root, name="lightning_logs")
-    # CSV first: it is the logger whose folder Lightning uses for config.yaml and checkpoints.
-    return [csv, TensorBoardLogger(save_dir=root, name="lightning_logs", version=csv.version)]
 
 
 def _check_yaml_files(argv: list[str]) -> None:
