@@ -59,6 +59,9 @@ data:
 """
 
 
+# The reference row of Lightning's loop without the template's loggers, progress bar and callbacks.
+BARE = "bare Lightning"
+
 WORKLOADS = {"mlp": "MLP 784-256-10, batch 64, synthetic data", "example": "example (configs/default.yaml)"}
 
 
@@ -232,8 +235,20 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
         elif step + 1 > warmup:
             timed_samples += len(y)
     hand_seconds = _clock(device) - window_start
+
+    # Lightning's own floor: the same LightningModule and data in a Trainer with nothing the template adds (no
+    # loggers, progress bar, checkpointing or callbacks). The template's row minus this one is what its defaults cost.
+    bare_path = Path(out_path).with_suffix(".bare.json")
+    bare = Trainer(
+        accelerator=device.type, devices=1, max_epochs=-1, max_steps=warmup + steps, limit_val_batches=0,
+        num_sanity_val_steps=0, log_every_n_steps=cli.trainer.log_every_n_steps, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        callbacks=[StepTimer(str(bare_path), warmup, steps)], default_root_dir=Path(out_path).parent,
+    )  # fmt: skip
+    bare.fit(model, datamodule=data)
     result = {
         "hand": {"seconds": hand_seconds, "samples": timed_samples, "steps": steps},
+        "bare": json.loads(bare_path.read_text()),
         "data": {"seconds": data_seconds, "samples": samples, "steps": steps},
         "batch_size": getattr(data, "batch_size", None),
         "device": str(device),
@@ -398,7 +413,9 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
     cells.append(imports)
     # Repeats are the outer loop: a burst of load from elsewhere then slows one run of every cell, not every run
     # of one cell, and the medians stay comparable.
-    matrix = {name: [Cell(name, "hand-written", 1), Cell(name, "data pipeline", 1)] for name in workloads}
+    matrix = {
+        name: [Cell(name, "hand-written", 1), Cell(name, BARE, 1), Cell(name, "data pipeline", 1)] for name in workloads
+    }
     for name in workloads:
         matrix[name] += [Cell(name, strategy, devices) for strategy, devices in pairs]
         cells += matrix[name]
@@ -411,20 +428,23 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
         if repeat == 0:
             imports.import_seconds = import_breakdown(work, args)
         for name, config_args in workloads.items():
-            hand, data, *runs = matrix[name]
+            hand, bare, data, *runs = matrix[name]
             out = work / f"{_slug(name)}-baseline-{repeat}.json"
             command = [sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(out)]
             command += [f"--warmup={args.warmup}", f"--steps={args.steps}", "--", *config_args]
             _run(command, work, args)
             result = json.loads(out.read_text())
             batch = result["batch_size"]
-            for cell, key in ((hand, "hand"), (data, "data")):
+            for cell, key in ((hand, "hand"), (bare, "bare"), (data, "data")):
                 measured = result[key]
                 cell.samples_per_s.append(measured["samples"] / measured["seconds"])
                 cell.ms_per_step.append(1000 * measured["seconds"] / measured["steps"])
                 cell.per_device_batch = measured["samples"] / measured["steps"]
             done += 1
-            note = f"{hand.samples_per_s[-1]:>10,.0f} samples/s (data alone {data.samples_per_s[-1]:,.0f})"
+            note = (
+                f"{hand.samples_per_s[-1]:>10,.0f} samples/s (bare Lightning {bare.samples_per_s[-1]:,.0f}, "
+                f"data alone {data.samples_per_s[-1]:,.0f})"
+            )
             progress(hand, repeat, note)
 
             for cell in runs:
@@ -513,6 +533,7 @@ def summary_lines(cells: list[Cell]) -> list[str]:
     for workload in dict.fromkeys(c.workload for c in cells if c.strategy != "imports"):
         same = {(c.strategy, c.devices): c for c in cells if c.workload == workload}
         hand, data, single = same[("hand-written", 1)], same[("data pipeline", 1)], same.get(("single", 1))
+        bare = same[(BARE, 1)]
         if single is None:
             continue
         lines.append(
@@ -520,7 +541,10 @@ def summary_lines(cells: list[Cell]) -> list[str]:
             f"hand-written loop ({single.step_ms:.2f} ms vs {hand.step_ms:.2f} ms, "
             f"{single.step_ms - hand.step_ms:+.2f} ms per step); the data pipeline alone delivers "
             f"{data.throughput:,.0f} samples/s, {data.throughput / single.throughput:.1f}x what training consumes; "
-            f"first training step {single.startup:.1f} s after `python -m {PACKAGE} fit` starts."
+            f"first training step {single.startup:.1f} s after `python -m {PACKAGE} fit` starts. "
+            f"Lightning's loop alone (same LightningModule; no loggers, progress bar, checkpointing or callbacks) "
+            f"takes {bare.step_ms / hand.step_ms:.2f}x ({bare.step_ms:.2f} ms): the template's defaults add "
+            f"{single.step_ms - bare.step_ms:+.2f} ms per step to it."
         )
     if imports is not None:
         parts = imports.import_seconds
@@ -587,6 +611,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
     figure, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
     styles = {
         "hand-written": ("*", "black"),
+        BARE: ("x", "grey"),
         "single": ("o", "tab:blue"),
         "dp": ("s", "tab:orange"),
         "ddp": ("^", "tab:green"),
@@ -599,7 +624,8 @@ def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
                 xs, ys = zip(*points, strict=True)
                 line = "-" if len(xs) > 1 else "none"
                 size = 11 if marker == "*" else 7
-                label = "hand-written loop" if strategy == "hand-written" else f"template, {strategy}"
+                labels = {"hand-written": "hand-written loop", BARE: "Lightning, no loggers/bar/callbacks"}
+                label = labels.get(strategy, f"template, {strategy}")
                 ax.plot(xs, ys, marker=marker, linestyle=line, color=color, label=label, markersize=size)
         single = next((r for r in mine if r["strategy"] == "single"), None)
         top = max(r["devices"] for r in mine)

@@ -56,7 +56,7 @@ def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: 
     assert len(progress) == 4 and progress[-1].startswith("[  4/4]")
 
     rows = {(r["strategy"], int(r["devices"])): r for r in csv.DictReader((out / "benchmark.csv").open())}
-    assert set(rows) == {("hand-written", 1), ("data pipeline", 1), ("single", 1), ("ddp", 2)}
+    assert set(rows) == {("hand-written", 1), ("bare Lightning", 1), ("data pipeline", 1), ("single", 1), ("ddp", 2)}
     for (_, devices), row in rows.items():
         samples_per_s, ms_per_step = float(row["samples_per_s"]), float(row["ms_per_step"])
         # Every run sees the per-device batch of the config; the two numbers describe the same steps.
@@ -77,6 +77,12 @@ def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: 
     assert markdown.startswith("Machine: ") and "CPU cores" in markdown
     assert "| strategy | devices | batch/device | samples/s |" in markdown and "| ddp | 2 | 64 |" in markdown
     assert "the time per step of the hand-written loop" in markdown and "what training consumes" in markdown
+    # Lightning's own floor next to the template, so the cost of the template's defaults is their difference.
+    bare = rows[("bare Lightning", 1)]
+    floor = re.search(r"Lightning's loop alone .* takes (\d+\.\d+)x \((\d+\.\d+) ms\)", markdown)
+    assert floor, markdown[-1500:]
+    assert float(floor.group(1)) == pytest.approx(float(bare["step_time_vs_hand"]), abs=0.006)
+    assert float(floor.group(2)) == pytest.approx(float(bare["ms_per_step"]), abs=0.006)
     # Start-up: how long the imports take, and how much of that is the package's own modules (well under a second).
     own = re.search(rf"Import time by what pulled it in .*\b{PACKAGE} (\d+\.\d+) s", markdown)
     assert own and float(own.group(1)) < 1.0, markdown[-800:]
