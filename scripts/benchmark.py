@@ -174,10 +174,8 @@ def _endless(loader: DataLoader) -> Iterator[Any]:
         yield from loader
 
 
-def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str]) -> None:
-    """Run the hand-written loop and the data pipeline alone on the config's model and data; write JSON."""
-    from torch.nn import functional as F
-
+def _build(cli_args: list[str]) -> Any:
+    """The LightningCLI object of `fit` with these arguments, stopped before training (same seed, links, batch)."""
     from template.cli import CLI
     from template.model import Classifier
 
@@ -185,8 +183,6 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
         pass
 
     class BuildOnly(CLI):
-        """Everything `fit` does up to the moment it would start training (same seed, links and batch)."""
-
         def before_fit(self) -> None:
             parent = getattr(super(), "before_fit", None)  # LightningCLI itself has no such hook
             if parent is not None:
@@ -202,7 +198,15 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
             args=["fit", *cli_args, "--trainer.logger=false", "--trainer.devices=1", "--trainer.strategy=auto"],
         )
     except Built as built:
-        cli = built.args[0]
+        return built.args[0]
+    raise RuntimeError("the command line finished without reaching fit")
+
+
+def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str]) -> None:
+    """Run the hand-written loop and the data pipeline alone on the config's model and data; write JSON."""
+    from torch.nn import functional as F
+
+    cli = _build(cli_args)
     model, data = cli.model, cli.datamodule
     device = cli.trainer.strategy.root_device
     data.prepare_data()
@@ -236,24 +240,30 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
             timed_samples += len(y)
     hand_seconds = _clock(device) - window_start
 
-    # Lightning's own floor: the same LightningModule and data in a Trainer with nothing the template adds (no
-    # loggers, progress bar, checkpointing or callbacks). The template's row minus this one is what its defaults cost.
-    bare_path = Path(out_path).with_suffix(".bare.json")
-    bare = Trainer(
-        accelerator=device.type, devices=1, max_epochs=-1, max_steps=warmup + steps, limit_val_batches=0,
-        num_sanity_val_steps=0, log_every_n_steps=cli.trainer.log_every_n_steps, logger=False,
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        callbacks=[StepTimer(str(bare_path), warmup, steps)], default_root_dir=Path(out_path).parent,
-    )  # fmt: skip
-    bare.fit(model, datamodule=data)
     result = {
         "hand": {"seconds": hand_seconds, "samples": timed_samples, "steps": steps},
-        "bare": json.loads(bare_path.read_text()),
         "data": {"seconds": data_seconds, "samples": samples, "steps": steps},
         "batch_size": getattr(data, "batch_size", None),
         "device": str(device),
     }
     Path(out_path).write_text(json.dumps(result))
+
+
+def bare_worker(out_path: str, warmup: int, steps: int, cli_args: list[str]) -> None:
+    """Lightning's own floor: the config's LightningModule and data in a Trainer without what the template adds.
+
+    No loggers, progress bar, checkpointing or callbacks besides the timer: the template's row minus this one is
+    what its defaults cost per step, and this row minus the hand-written loop is Lightning's loop.
+    """
+    cli = _build(cli_args)
+    device = cli.trainer.strategy.root_device
+    bare = Trainer(
+        accelerator=device.type, devices=1, max_epochs=-1, max_steps=warmup + steps, limit_val_batches=0,
+        num_sanity_val_steps=0, log_every_n_steps=cli.trainer.log_every_n_steps, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        callbacks=[StepTimer(out_path, warmup, steps)], default_root_dir=Path(out_path).parent,
+    )  # fmt: skip
+    bare.fit(cli.model, datamodule=cli.datamodule)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,7 +401,7 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
     gpus = torch.cuda.device_count()
     counts = args.devices or _device_counts(args.max_devices or gpus or 2)
     pairs = plan(counts, args.strategies, gpus)
-    total = (len(workloads) * (len(pairs) + 1) + 1) * args.repeats
+    total = (len(workloads) * (len(pairs) + 2) + 1) * args.repeats
     done, cells = 0, []
     started = time.perf_counter()
 
@@ -406,7 +416,10 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
     if "dp" in args.strategies and not gpus:
         print("note: dp runs only on GPUs (DataParallel on the CPU does nothing); skipped here", file=sys.stderr)
     cells_text = ", ".join(f"{strategy} x {devices}" for strategy, devices in pairs)
-    print(f"{total} runs: {args.repeats} x (import, then per workload: hand-written, {cells_text})", file=sys.stderr)
+    print(
+        f"{total} runs: {args.repeats} x (import, then per workload: hand-written, {BARE}, {cells_text})",
+        file=sys.stderr,
+    )
 
     # The floor of every start-up: importing torch, Lightning, torchmetrics and the package's command line.
     imports = Cell("all", "imports", 1)
@@ -429,23 +442,29 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
             imports.import_seconds = import_breakdown(work, args)
         for name, config_args in workloads.items():
             hand, bare, data, *runs = matrix[name]
-            out = work / f"{_slug(name)}-baseline-{repeat}.json"
-            command = [sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(out)]
-            command += [f"--warmup={args.warmup}", f"--steps={args.steps}", "--", *config_args]
-            _run(command, work, args)
-            result = json.loads(out.read_text())
-            batch = result["batch_size"]
-            for cell, key in ((hand, "hand"), (bare, "bare"), (data, "data")):
-                measured = result[key]
-                cell.samples_per_s.append(measured["samples"] / measured["seconds"])
-                cell.ms_per_step.append(1000 * measured["seconds"] / measured["steps"])
-                cell.per_device_batch = measured["samples"] / measured["steps"]
-            done += 1
-            note = (
-                f"{hand.samples_per_s[-1]:>10,.0f} samples/s (bare Lightning {bare.samples_per_s[-1]:,.0f}, "
-                f"data alone {data.samples_per_s[-1]:,.0f})"
+            results = {}
+            for worker in ("baseline", "bare"):
+                out = work / f"{_slug(name)}-{worker}-{repeat}.json"
+                command = [sys.executable, str(Path(__file__).resolve()), f"--{worker}-worker", str(out)]
+                command += [f"--warmup={args.warmup}", f"--steps={args.steps}", "--", *config_args]
+                _run(command, work, args)
+                results[worker] = json.loads(out.read_text())
+            batch = results["baseline"]["batch_size"]
+            measured = (
+                (hand, results["baseline"]["hand"]),
+                (data, results["baseline"]["data"]),
+                (bare, results["bare"]),
             )
-            progress(hand, repeat, note)
+            for cell, numbers in measured:
+                cell.samples_per_s.append(numbers["samples"] / numbers["seconds"])
+                cell.ms_per_step.append(1000 * numbers["seconds"] / numbers["steps"])
+                cell.per_device_batch = numbers["samples"] / numbers["steps"]
+            done += 1
+            progress(
+                hand, repeat, f"{hand.samples_per_s[-1]:>10,.0f} samples/s (data alone {data.samples_per_s[-1]:,.0f})"
+            )
+            done += 1
+            progress(bare, repeat, f"{bare.samples_per_s[-1]:>10,.0f} samples/s")
 
             for cell in runs:
                 out = work / f"{_slug(name)}-{cell.strategy}-{cell.devices}-{repeat}.json"
@@ -723,10 +742,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the benchmark matrix and write the Markdown table, the CSV table and the plot."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--baseline-worker"]:
+    workers = {"--baseline-worker": baseline_worker, "--bare-worker": bare_worker}
+    if argv[:1] and argv[0] in workers:
         split = argv.index("--")
         options = dict(a.lstrip("-").split("=", 1) for a in argv[2:split])
-        baseline_worker(argv[1], int(options["warmup"]), int(options["steps"]), argv[split + 1 :])
+        workers[argv[0]](argv[1], int(options["warmup"]), int(options["steps"]), argv[split + 1 :])
         return
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,7 @@ def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: 
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     # Progress while it runs: one line per finished run, numbered out of the total.
     progress = [line for line in result.stderr.splitlines() if line.startswith("[")]
-    assert len(progress) == 4 and progress[-1].startswith("[  4/4]")
+    assert len(progress) == 5 and progress[-1].startswith("[  5/5]")
 
     rows = {(r["strategy"], int(r["devices"])): r for r in csv.DictReader((out / "benchmark.csv").open())}
     assert set(rows) == {("hand-written", 1), ("bare Lightning", 1), ("data pipeline", 1), ("single", 1), ("ddp", 2)}
