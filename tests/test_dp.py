@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from template import cli  # noqa: F401 - importing the command line is what registers "dp"
+from template import cli  # importing the command line is what registers "dp"
 from template.data import DigitsDataModule
 from template.errors import ConfigError
 from template.model import Classifier
@@ -29,42 +29,32 @@ from template.strategies import dp
 from template.strategies.dp import DataParallelStrategy, ParallelForward, check_dp_settings, under_callers_autocast
 from tests.conftest import CONFIGS, PACKAGE, cli_env
 
-# A child that runs the real command line with `torch.cuda.device_count` faked, and prints what Trainer it built
-# instead of training (the CUDA calls of training cannot be faked). It tests parsing, selection and checks only.
-_FAKE_GPUS = """
-import json, sys
-import torch
-torch.cuda.device_count = lambda: {gpus}
-from {package} import cli
 
-def report(self):
+def _report_instead_of_training(self: cli.CLI) -> None:
     strategy = self.trainer.strategy
-    print("BUILT " + json.dumps({{
+    built = {
         "strategy": type(strategy).__name__,
         "devices": [str(d) for d in strategy.parallel_devices],
         "root": str(strategy.root_device),
         "precision": type(strategy.precision_plugin).__name__,
         "module_name": strategy.module_name,
         "world_size": self.trainer.world_size,
-    }}))
+    }
+    print("BUILT " + json.dumps(built))
     sys.exit(0)
 
-cli.CLI.before_fit = report
-cli.main()
-"""
 
+@pytest.fixture
+def run_with_fake_gpus(run_main, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN201
+    """The real command line, in process, with ``torch.cuda.device_count`` faked; it prints the Trainer it built
+    instead of training (the CUDA calls of training cannot be faked): parsing, selection and checks only."""
 
-def run_with_fake_gpus(tmp_path: Path, gpus: int, *args: str) -> subprocess.CompletedProcess:
-    code = _FAKE_GPUS.format(gpus=gpus, package=PACKAGE)
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        stdin=subprocess.DEVNULL,
-    )
+    def run(gpus: int, *args: str) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(cli.CLI, "before_fit", _report_instead_of_training)
+        return run_main(*args)
+
+    return run
 
 
 def built(result: subprocess.CompletedProcess) -> dict:
@@ -92,9 +82,9 @@ def test_registry_name_builds_the_strategy_and_the_trainer_checks_it() -> None:
         Trainer(strategy="dp", accelerator="cpu", devices=1, logger=False)
 
 
-def test_yaml_selects_dp_over_a_device_list_with_mixed_precision(tmp_path: Path) -> None:
+def test_yaml_selects_dp_over_a_device_list_with_mixed_precision(run_with_fake_gpus) -> None:  # noqa: ANN001
     result = run_with_fake_gpus(
-        tmp_path, 4, "fit", "--config", CONFIGS / "dp.yaml", "--trainer.devices=[2,0]", "--trainer.precision=16-mixed"
+        4, "fit", "--config", CONFIGS / "dp.yaml", "--trainer.devices=[2,0]", "--trainer.precision=16-mixed"
     )
     assert built(result) == {
         "strategy": "DataParallelStrategy",
@@ -106,9 +96,9 @@ def test_yaml_selects_dp_over_a_device_list_with_mixed_precision(tmp_path: Path)
     }
 
 
-def test_command_line_selects_dp_with_a_device_count(tmp_path: Path) -> None:
+def test_command_line_selects_dp_with_a_device_count(run_with_fake_gpus) -> None:  # noqa: ANN001
     args = ["--trainer.strategy=dp", "--trainer.accelerator=gpu", "--trainer.devices=3"]
-    info = built(run_with_fake_gpus(tmp_path, 4, "fit", "--config", CONFIGS / "default.yaml", *args))
+    info = built(run_with_fake_gpus(4, "fit", "--config", CONFIGS / "default.yaml", *args))
     assert (info["strategy"], info["devices"], info["root"]) == (
         "DataParallelStrategy",
         ["cuda:0", "cuda:1", "cuda:2"],
@@ -116,13 +106,13 @@ def test_command_line_selects_dp_with_a_device_count(tmp_path: Path) -> None:
     )
 
 
-def test_class_path_form_with_init_args(tmp_path: Path) -> None:
+def test_class_path_form_with_init_args(run_with_fake_gpus, tmp_path: Path) -> None:  # noqa: ANN001
     config = tmp_path / "dp_class.yaml"
     config.write_text(
         "trainer:\n  accelerator: gpu\n  devices: 2\n  strategy:\n"
         f"    class_path: {PACKAGE}.strategies.DataParallelStrategy\n    init_args:\n      module_name: net\n"
     )
-    info = built(run_with_fake_gpus(tmp_path, 2, "fit", "--config", config))
+    info = built(run_with_fake_gpus(2, "fit", "--config", config))
     assert (info["strategy"], info["devices"], info["module_name"]) == (
         "DataParallelStrategy",
         ["cuda:0", "cuda:1"],
@@ -165,10 +155,8 @@ def test_settings_dp_cannot_run(run_main, override: str, expected: str) -> None:
     assert re.search(expected, line), line
 
 
-def test_missing_device_index_names_the_visible_gpus(tmp_path: Path) -> None:
-    line = one_line_error(
-        run_with_fake_gpus(tmp_path, 2, "fit", "--config", CONFIGS / "dp.yaml", "--trainer.devices=[0,2]")
-    )
+def test_missing_device_index_names_the_visible_gpus(run_with_fake_gpus) -> None:  # noqa: ANN001
+    line = one_line_error(run_with_fake_gpus(2, "fit", "--config", CONFIGS / "dp.yaml", "--trainer.devices=[0,2]"))
     assert "trainer.devices=[0, 2] asks for GPU index 2 but this process sees 2 GPU(s), indices [0, 1]" in line
 
 
