@@ -12,6 +12,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 class ConfigError(Exception):
     """A mistake in the user's configuration or input; the message names the bad value and the fix."""
 
+    # jsonargparse keeps only the text of an error raised while it builds an object inside a Union-typed option
+    # (trainer.logger, trainer.callbacks): the newest ConfigError is remembered so that it can still be found.
+    newest: ConfigError | None = None
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        ConfigError.newest = self
+
 
 def one_line(message: str) -> str:
     """Squeeze a multi-line library message into one line, dropping the usage noise around it."""
@@ -79,11 +87,13 @@ def explain_trainer_error(text: str) -> str:
 
 
 def config_error_in(err: BaseException) -> ConfigError | None:
-    """The ConfigError that caused ``err``, if any, following the exception chain."""
+    """The ConfigError that caused ``err``, if any: in the exception chain, or quoted in its message."""
     seen = set()
+    text = str(err)
     while err is not None and id(err) not in seen:
         if isinstance(err, ConfigError):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
-    return None
+    newest = ConfigError.newest
+    return newest if newest is not None and str(newest) and str(newest) in text else None

@@ -8,6 +8,8 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
 
+from template.errors import ConfigError
+
 
 class _TimedSave:
     """Writes the logger's files at most every ``save_interval`` seconds, and always at the end of the run.
@@ -19,8 +21,16 @@ class _TimedSave:
     ``save_interval`` seconds of values.
     """
 
-    save_interval: float
     _last_save: float = float("-inf")
+
+    def __init__(self, *args: Any, save_interval: float = 5.0, **kwargs: Any) -> None:
+        if not save_interval >= 0:  # also refuses NaN
+            raise ConfigError(
+                f"trainer.logger save_interval={save_interval} is not a number of seconds >= 0; use e.g. 5 (0 "
+                "writes at every logging step, as Lightning's own loggers do)"
+            )
+        self.save_interval = save_interval
+        super().__init__(*args, **kwargs)
 
     def save(self) -> None:
         now = time.monotonic()
@@ -37,17 +47,9 @@ class _TimedSave:
 class CSVLogger(_TimedSave, _CSVLogger):
     """Lightning's CSVLogger, writing ``metrics.csv`` at most every ``save_interval`` seconds."""
 
-    def __init__(self, *args: Any, save_interval: float = 5.0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.save_interval = save_interval
-
 
 class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
     """Lightning's TensorBoardLogger, flushing its event file at most every ``save_interval`` seconds."""
-
-    def __init__(self, *args: Any, save_interval: float = 5.0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.save_interval = save_interval
 
 
 def default_loggers(root: str | None) -> list:

@@ -52,6 +52,13 @@ CASES = {
     "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
+    "logger-save-interval": (
+        [
+            f"--trainer.logger={PACKAGE}.loggers.CSVLogger",
+            *("--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.save_interval=-3"),
+        ],
+        ["save_interval=-3.0", "use e.g. 5"],
+    ),
 }
 MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": GPU}
 
