@@ -133,20 +133,8 @@ class CLI(LightningCLI):
             root = config.get("trainer.default_root_dir") or "."
             config["ckpt_path"] = ckpt_path = find_last_checkpoint(root, config.get("checkpoint.dirpath"))
             rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
-        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS and not Path(ckpt_path).is_file():
-            raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
         if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS:
-            try:
-                # mmap reads the archive's index, not the tensors: a cheap check that the file is whole.
-                torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as err:  # junk bytes make the unpickler fail in arbitrary ways
-                reason = one_line(err).split(". ")[0][:200]
-                if "mmap can only be used" in reason:
-                    reason = "not a PyTorch checkpoint archive"
-                raise ConfigError(
-                    f"checkpoint '{ckpt_path}' cannot be loaded ({reason}); it is truncated, corrupt "
-                    "or not a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project"
-                ) from None
+            _check_checkpoint_file(ckpt_path)
         super()._parse_ckpt_path()
 
     def before_fit(self) -> None:
@@ -184,6 +172,23 @@ def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the inst
         return list(value) if isinstance(value, tuple) else value
 
     return read
+
+
+def _check_checkpoint_file(ckpt_path: str) -> None:
+    """Raise a ConfigError if ``ckpt_path`` is missing, or is not a whole weights-only PyTorch checkpoint."""
+    if not Path(ckpt_path).is_file():
+        raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
+    try:
+        # mmap reads the archive's index, not the tensors: a cheap check that the file is whole.
+        torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # junk bytes make the unpickler fail in arbitrary ways
+        reason = one_line(err).split(". ")[0][:200]
+        if "mmap can only be used" in reason:
+            reason = "not a PyTorch checkpoint archive"
+        raise ConfigError(
+            f"checkpoint '{ckpt_path}' cannot be loaded ({reason}); it is truncated, corrupt "
+            "or not a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project"
+        ) from None
 
 
 def _check_yaml_files(argv: list[str]) -> None:
