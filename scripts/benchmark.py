@@ -176,7 +176,7 @@ def _endless(loader: DataLoader) -> Iterator[Any]:
 
 def _build(cli_args: list[str]) -> Any:
     """The LightningCLI object of `fit` with these arguments, stopped before training (same seed, links, batch)."""
-    from template.cli import CLI
+    from template.engine.cli import CLI
     from template.model import Classifier
 
     class Built(Exception):

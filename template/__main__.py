@@ -1,4 +1,4 @@
-from template.cli import main
+from template.engine.cli import main
 
 if __name__ == "__main__":
     main()

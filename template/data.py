@@ -13,8 +13,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-from template.atomic import atomic_torch_save
-from template.errors import ConfigError
+from template.engine.atomic import atomic_torch_save
+from template.engine.errors import ConfigError
 
 _ARCHIVE = "digits.csv.gz"
 _CACHE = "digits.pt"

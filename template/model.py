@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 
 
 class Classifier(LightningModule):

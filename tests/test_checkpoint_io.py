@@ -19,9 +19,9 @@ import torch
 from conftest import CONFIGS, PACKAGE
 from lightning.pytorch import LightningDataModule
 
-from template import atomic
-from template.checkpoint_io import AtomicCheckpointIO
-from template.cli import CLI
+from template.engine import atomic
+from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.cli import CLI
 from template.model import Classifier
 
 KILLS = 20

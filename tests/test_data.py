@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from template.data import DigitsDataModule
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 
 
 @pytest.fixture

@@ -20,13 +20,18 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from template import cli  # importing the command line is what registers "dp"
 from template.data import DigitsDataModule
-from template.errors import ConfigError
+from template.engine import cli  # importing the command line is what registers "dp"
+from template.engine.errors import ConfigError
+from template.engine.strategies import dp
+from template.engine.strategies.dp import (
+    DataParallelStrategy,
+    ParallelForward,
+    check_dp_settings,
+    under_callers_autocast,
+)
 from template.model import Classifier
 from template.nets import MLP
-from template.strategies import dp
-from template.strategies.dp import DataParallelStrategy, ParallelForward, check_dp_settings, under_callers_autocast
 from tests.conftest import CONFIGS, PACKAGE, cli_env
 
 

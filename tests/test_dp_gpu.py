@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
-from template import cli  # noqa: F401 - importing the command line is what registers "dp"
 from template.data import DigitsDataModule
+from template.engine import cli  # noqa: F401 - importing the command line is what registers "dp"
+from template.engine.strategies.dp import ParallelForward
 from template.model import Classifier
 from template.nets import MLP
-from template.strategies.dp import ParallelForward
 from tests.conftest import CONFIGS
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="strategy dp needs at least 2 CUDA GPUs")

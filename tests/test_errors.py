@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import CONFIGS, PACKAGE
 
-from template.cli import main
+from template.engine.cli import main
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from conftest import CONFIGS, PACKAGE
 from torch import nn
 
-from template.cli import main
-from template.export import clean_key, extract_state_dict, load_weights, read_checkpoint
+from template.engine.cli import main
+from template.engine.export import clean_key, extract_state_dict, load_weights, read_checkpoint
 from template.model import Classifier
 from template.nets import MLP
 

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch import Callback, Trainer
 
 from template.data import DigitsDataModule
-from template.loggers import CSVLogger, TensorBoardLogger
+from template.engine.loggers import CSVLogger, TensorBoardLogger
 from template.model import Classifier
 from template.nets import MLP
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 from template.model import Classifier
 from template.nets import MLP
 

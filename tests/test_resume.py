@@ -15,8 +15,8 @@ from conftest import CONFIGS, PACKAGE, cli_env
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
-from template.checkpoint_io import AtomicCheckpointIO
-from template.resume import RNGStateCheckpoint, find_last_checkpoint
+from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
 
 # Shuffled batches and dropout (the MLP's default 0.1) both draw random numbers: exactly what resume must restore.
 FAST = [

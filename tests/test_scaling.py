@@ -14,9 +14,9 @@ from torch.nn import functional as F
 from torch.optim import lr_scheduler
 
 from template.data import DigitsDataModule
-from template.errors import ConfigError, explain_trainer_error, one_line
+from template.engine.errors import ConfigError, explain_trainer_error, one_line
+from template.engine.scaling import BatchScaling, lr_factor, per_process_batch_size, scale_learning_rates
 from template.nets import MLP
-from template.scaling import BatchScaling, lr_factor, per_process_batch_size, scale_learning_rates
 from tests.conftest import CONFIGS
 
 SHORT = ("--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1")

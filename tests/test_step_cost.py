@@ -98,7 +98,7 @@ def test_ddp_still_splits_the_data_between_processes(run_cli, tmp_path: Path) ->
 def _trainer(tmp_path: Path, monkeypatch, *args: str):  # noqa: ANN001, ANN202
     from lightning.pytorch import LightningDataModule
 
-    from template.cli import CLI
+    from template.engine.cli import CLI
     from template.model import Classifier
 
     monkeypatch.chdir(tmp_path)

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 
 try:
     import numpy as np

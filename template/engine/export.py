@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from template.atomic import atomic_torch_save
-from template.errors import ConfigError
+from template.engine.atomic import atomic_torch_save
+from template.engine.errors import ConfigError
 
 # Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
 DEFAULT_PREFIX = "net."

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor, nn
 
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 
 # Shipped with the project: the data-parallel run that needs no GPU.
 CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"

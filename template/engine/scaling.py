@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 
 LRScaling = Literal["none", "linear", "sqrt"]
 

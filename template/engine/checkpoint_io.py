@@ -10,7 +10,7 @@ from typing import Any
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from template.atomic import atomic_torch_save
+from template.engine.atomic import atomic_torch_save
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

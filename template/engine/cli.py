@@ -15,15 +15,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgre
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from template.checkpoint_io import AtomicCheckpointIO
-from template.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
-from template.loggers import default_loggers
+from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
+from template.engine.loggers import default_loggers
+from template.engine.predictions import PredictionWriter
+from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
+from template.engine.scaling import BatchScaling
+from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
+from template.engine.watchdog import HangWatchdog
 from template.model import Classifier
-from template.predictions import PredictionWriter
-from template.resume import RNGStateCheckpoint, find_last_checkpoint
-from template.scaling import BatchScaling
-from template.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
-from template.watchdog import HangWatchdog
 
 # Lightning resolves these names itself instead of reading a file.
 _SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
@@ -217,7 +217,8 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     try:
         if argv[:1] == ["export"]:
-            from template.export import main as export_main  # a plain-PyTorch command: no Trainer, no LightningCLI
+            # A plain-PyTorch command: no Trainer, no LightningCLI.
+            from template.engine.export import main as export_main
 
             export_main(argv[1:])
             return

@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from template.strategies.dp import DataParallelStrategy, check_dp_trainer_config
+from template.engine.strategies.dp import DataParallelStrategy, check_dp_trainer_config
 
 DataParallelStrategy.register_strategies(StrategyRegistry)
 

@@ -14,7 +14,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 
 _PR_SET_PDEATHSIG = 1
 

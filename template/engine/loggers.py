@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
 
-from template.errors import ConfigError
+from template.engine.errors import ConfigError
 
 
 class _TimedSave:
