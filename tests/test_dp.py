@@ -115,7 +115,7 @@ def test_class_path_form_with_init_args(run_with_fake_gpus, tmp_path: Path) -> N
     config = tmp_path / "dp_class.yaml"
     config.write_text(
         "trainer:\n  accelerator: gpu\n  devices: 2\n  strategy:\n"
-        f"    class_path: {PACKAGE}.strategies.DataParallelStrategy\n    init_args:\n      module_name: net\n"
+        f"    class_path: {PACKAGE}.engine.strategies.DataParallelStrategy\n    init_args:\n      module_name: net\n"
     )
     info = built(run_with_fake_gpus(2, "fit", "--config", config))
     assert (info["strategy"], info["devices"], info["module_name"]) == (
