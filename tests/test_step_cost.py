@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -96,19 +95,10 @@ def test_ddp_still_splits_the_data_between_processes(run_cli, tmp_path: Path) ->
 
 
 def _trainer(tmp_path: Path, monkeypatch, *args: str):  # noqa: ANN001, ANN202
-    from lightning.pytorch import LightningDataModule
-
-    from template.engine.cli import CLI
-    from template.model import Classifier
+    from template.engine.cli import build_cli
 
     monkeypatch.chdir(tmp_path)
-    cli = CLI(
-        Classifier,
-        LightningDataModule,
-        subclass_mode_data=True,
-        args=["--config", str(CONFIGS / "default.yaml"), "--trainer.logger=false", *args],
-        run=False,
-    )
+    cli = build_cli(["--config", str(CONFIGS / "default.yaml"), "--trainer.logger=false", *args], run=False)
     return cli.trainer
 
 
@@ -122,36 +112,38 @@ def test_progress_bar_redraws_every_tenth_step_unless_configured(tmp_path: Path,
     assert isinstance(chosen, RichProgressBar)
 
 
-def test_bulk_updated_epoch_metrics_equal_per_step_updates(tmp_path: Path) -> None:
-    from lightning.pytorch import Callback, Trainer
-    from torchmetrics import MeanMetric
-    from torchmetrics.classification import MulticlassAccuracy
+def _fit_counting_logs(tmp_path: Path, monkeypatch, callbacks: list) -> tuple[list[dict[str, str]], int]:  # noqa: ANN001
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.loggers import CSVLogger
 
     from template.model import Classifier
     from template.nets import MLP
 
-    class PerStep(Callback):
-        """The straightforward way: update fresh metrics on every step, from the same predictions."""
+    calls = []
+    log = LightningModule.log
 
-        def __init__(self) -> None:
-            self.acc, self.loss = MulticlassAccuracy(10), MeanMetric()
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(args[0])
+        return log(self, *args, **kwargs)
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-            with torch.no_grad():  # no dropout in this net: the same logits the step computes next
-                self.acc.update(pl_module(batch[0]), batch[1])
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            self.loss.update(outputs["loss"], len(batch[1]))
-
+    monkeypatch.setattr(LightningModule, "log", counted)
     torch.manual_seed(0)
-    digits = DigitsDataModule(data_dir=str(tmp_path), batch_size=50)  # 1439 samples: a short last batch of 39
-    model = Classifier(MLP((1, 8, 8), 10, dropout=0.0), num_classes=10)
-    per_step = PerStep()
     trainer = Trainer(
-        max_epochs=1, limit_val_batches=0, log_every_n_steps=7, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[per_step], default_root_dir=tmp_path,
+        max_epochs=2, limit_train_batches=7, limit_val_batches=2, log_every_n_steps=3, logger=CSVLogger(tmp_path),
+        enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path,
     )  # fmt: skip
-    trainer.fit(model, digits)
-    logged = trainer.callback_metrics
-    assert float(logged["train_acc"]) == pytest.approx(float(per_step.acc.compute()), abs=1e-6)
-    assert float(logged["train_loss_epoch"]) == pytest.approx(float(per_step.loss.compute()), abs=1e-6)
+    trainer.fit(Classifier(MLP((1, 8, 8), 10), num_classes=10), DigitsDataModule(data_dir=str(tmp_path)))
+    return _metrics(Path(trainer.logger.log_dir)), calls.count("train_loss")
+
+
+def test_log_cadence_writes_the_same_metrics_with_fewer_step_logs(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from template.engine.cadence import LogCadence
+
+    every_step, every_calls = _fit_counting_logs(tmp_path / "every", monkeypatch, [])
+    gated, gated_calls = _fit_counting_logs(tmp_path / "gated", monkeypatch, [LogCadence()])
+    assert gated == every_step  # every row and value of metrics.csv, step and epoch columns alike
+    assert [int(r["step"]) for r in gated if r["train_loss"]] == [2, 5, 8, 11]
+    # 14 training steps: Lightning's log runs on each without the gate, on the 4 that write with it.
+    assert (every_calls, gated_calls) == (14, 4)
+    off, off_calls = _fit_counting_logs(tmp_path / "off", monkeypatch, [LogCadence(enabled=False)])
+    assert off == every_step and off_calls == 14
