@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ class ParallelForward(nn.DataParallel):
         device_type = self.src_device_obj.type
         return super().parallel_apply([under_callers_autocast(r, device_type) for r in replicas], inputs, kwargs)
 
+    def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 - same signature as torch's
+        return share_compiled_call(module, super().replicate(module, device_ids))
+
     def __getattr__(self, name: str) -> Any:
         # User code reaching into the network (`self.net.encoder`) keeps working while it is wrapped.
         try:
@@ -37,6 +41,30 @@ class ParallelForward(nn.DataParallel):
             if name == "module":  # not set yet (half-built copy): looking inside it would recurse
                 raise
             return getattr(self.module, name)
+
+
+def _run_replica(replica: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return replica._call_impl(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_replica_call() -> Callable[..., Any]:
+    # One compiled function for all replicas: dynamo takes a replica's weights as inputs, so the new replicas of
+    # every step reuse the compiled code (one graph per device) instead of recompiling.
+    return torch.compile(_run_replica)
+
+
+def share_compiled_call(module: nn.Module, replicas: Sequence[nn.Module]) -> Sequence[nn.Module]:
+    """Replicas of a network compiled in place (``net.compile()``) that run compiled code on their own weights.
+
+    A replica copies the original's ``_compiled_call_impl``, which is bound to the original module: it would run
+    the first GPU's weights on every GPU's inputs.
+    """
+    if getattr(module, "_compiled_call_impl", None) is None:
+        return replicas
+    for replica in replicas:
+        replica._compiled_call_impl = functools.partial(_compiled_replica_call(), replica)
+    return replicas
 
 
 def under_callers_autocast(module: Callable[..., Any], device_type: str) -> Callable[..., Any]:
