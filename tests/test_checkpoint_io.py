@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CONFIGS, PACKAGE
-from lightning.pytorch import LightningDataModule
 
 from template.engine import atomic
 from template.engine.checkpoint_io import AtomicCheckpointIO
-from template.engine.cli import CLI
-from template.model import Classifier
+from template.engine.cli import build_cli
 
 KILLS = 20
 NUMEL = 6_000_000  # 24 MB of float32: big enough that a kill usually lands inside a write
@@ -142,12 +140,8 @@ def test_load_is_weights_only_even_when_asked_otherwise(tmp_path: Path) -> None:
 def test_the_cli_trainer_uses_the_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [PACKAGE])
-    cli = CLI(
-        Classifier,
-        LightningDataModule,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", str(CONFIGS / "default.yaml"), "--trainer.accelerator=cpu", "--trainer.logger=false"],
+    cli = build_cli(
+        ["--config", str(CONFIGS / "default.yaml"), "--trainer.accelerator=cpu", "--trainer.logger=false"], run=False
     )
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert list(tmp_path.iterdir()) == []

@@ -108,7 +108,9 @@ def test_stacked_configs_and_overrides(run_cli, tmp_path):
     saved = yaml.safe_load((tmp_path / "lightning_logs/version_0/config.yaml").read_text())
     assert saved["trainer"]["max_epochs"] == 1  # the command line wins over both files
     assert saved["trainer"]["limit_train_batches"] == 3 and saved["data"]["init_args"]["batch_size"] == 16
-    assert saved["model"]["net"]["class_path"] == f"{PACKAGE}.nets.ConvNet"
+    # `model.net` in YAML is short for the default model's `model.init_args.net`; the saved config spells it out.
+    assert saved["model"]["class_path"] == f"{PACKAGE}.model.Classifier"
+    assert saved["model"]["init_args"]["net"]["class_path"] == f"{PACKAGE}.nets.ConvNet"
 
 
 def test_console_script_is_installed():

@@ -40,3 +40,55 @@ def test_user_net_and_data_train_from_yaml(run_cli, tmp_path, strategy):
     assert len(checkpoints) == 2 and "last.ckpt" in checkpoints
     # prepare_data ran on one process only, also with 2 DDP processes.
     assert len((tmp_path / "blobs" / "prepare_calls.log").read_text().split()) == 1
+
+
+REGRESSION_CONFIG = {
+    "trainer": {"max_epochs": 4, "accelerator": "cpu", "enable_progress_bar": False, "log_every_n_steps": 4},
+    "model": {
+        "class_path": "my_code.Regressor",
+        "init_args": {"body": {"class_path": "my_code.TinyNet", "init_args": {"width": 32}}, "lr": 0.02},
+    },
+    "data": {"class_path": "my_code.Waves"},
+    # The only lines the project's defaults need from a module that does not log val_acc.
+    "checkpoint": {"monitor": "val_mse", "mode": "min"},
+}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ddp"])
+def test_user_lightning_module_trains_by_yaml_alone(run_cli, tmp_path, strategy):
+    import torch
+
+    devices = 2 if strategy == "ddp" else 1
+    config = {
+        **REGRESSION_CONFIG,
+        "trainer": {**REGRESSION_CONFIG["trainer"], "strategy": strategy, "devices": devices},
+    }
+    # One optimizer step sees 64 samples either way: 64 on one process, 32 on each of two.
+    config["scaling"] = {"global_batch_size": 64}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    env = cli_env(PYTHONPATH=str(USER_CODE))
+    result = run_cli("fit", "--config", "user.yaml", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    val_mse = [float(r["val_mse"]) for r in rows if r.get("val_mse")]
+    assert len(val_mse) == 4 and val_mse[-1] < 0.5 * val_mse[0]
+    # The data has no num_classes and the net got none: links reach only the arguments a module has.
+    hparams = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    assert hparams["_class_path"] == "my_code.Regressor" and "num_classes" not in hparams
+    best = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("best-")]
+    assert len(best) == 1 and best[0].name.startswith("best-3-")  # named after val_mse, lowest at the last epoch
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 4 * 6  # 384 training samples / 64 per step, however many processes
+
+    # Resume from the newest checkpoint for one more epoch, and export the user's network by its attribute name.
+    more = run_cli("fit", "--config", "user.yaml", "--trainer.max_epochs=5", "--ckpt_path", "last", env=env)
+    assert more.returncode == 0, more.stderr[-3000:]
+    resumed = torch.load(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 5 * 6
+    exported = run_cli("export", run_dir / "checkpoints" / "last.ckpt", "--output", "body.pt", "--prefix", "body.")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert set(torch.load(tmp_path / "body.pt", weights_only=True)) == {
+        f"body.{i}.{p}" for i in (0, 2) for p in ("weight", "bias")
+    }

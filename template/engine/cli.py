@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -10,12 +11,14 @@ from typing import Any, NoReturn
 import torch
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 from lightning.pytorch.utilities import rank_zero_info
 
+from template.engine.cadence import LogCadence
 from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.compile import CompileNetwork
 from template.engine.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
 from template.engine.loggers import default_loggers
 from template.engine.predictions import PredictionWriter
@@ -23,7 +26,6 @@ from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
 from template.engine.scaling import BatchScaling
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 from template.engine.watchdog import HangWatchdog
-from template.model import Classifier
 
 # Lightning resolves these names itself instead of reading a file.
 _SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
@@ -58,23 +60,42 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(BatchScaling, "scaling")
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
+        parser.add_lightning_class_args(LogCadence, "log_cadence")
+        parser.add_lightning_class_args(CompileNetwork, "compile")
         parser.set_defaults(
             {
+                # The example; any LightningModule and LightningDataModule replace them by class_path.
+                "model": {
+                    "class_path": "template.model.Classifier",
+                    "init_args": {"net": {"class_path": "template.nets.MLP"}},
+                },
                 "data": {"class_path": "template.data.DigitsDataModule"},
-                "model.net": {"class_path": "template.nets.MLP"},
                 "checkpoint.monitor": "val_acc",
                 "checkpoint.mode": "max",
                 "checkpoint.save_last": True,
-                "checkpoint.filename": "best-{epoch}-{val_acc:.4f}",
                 "checkpoint.auto_insert_metric_name": False,
             }
         )
-        # The data knows its shapes: networks and metrics get them from it instead of hard-coding them.
+        # The data knows its shapes: networks and metrics get them from it instead of hard-coding them. jsonargparse
+        # applies a link only where the chosen model (and its `net`) has the argument.
         for attribute in ("num_classes", "input_shape"):
             parser.link_arguments(
-                "data", f"model.net.init_args.{attribute}", compute_fn=_attribute(attribute), apply_on="instantiate"
+                "data", f"model.init_args.net.init_args.{attribute}", _attribute(attribute), apply_on="instantiate"
             )
-        parser.link_arguments("data", "model.num_classes", compute_fn=_attribute("num_classes"), apply_on="instantiate")
+        parser.link_arguments("data", "model.init_args.num_classes", _attribute("num_classes"), apply_on="instantiate")
+
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        # Lightning's own instantiator records every link in the hyper-parameters, also links jsonargparse did not
+        # apply because a user's module has no such argument, and then fails on a missing `net`.
+        self.parser.add_instantiator(_AppliedLinksOnly(cli=self, key="model"), LightningModule, subclasses=True)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        monitor = config.get("checkpoint.monitor")
+        if config.get("checkpoint.filename") is None and monitor:
+            # The best checkpoint's name carries the score it was chosen by, whatever metric a module monitors.
+            config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -164,6 +185,24 @@ class CLI(LightningCLI):
             )
 
 
+class _AppliedLinksOnly(_InstantiatorFn):
+    """Lightning's model instantiator, recording only the links that reached the model's arguments."""
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+        applied = {k: v for k, v in applied_instantiation_links.items() if _reached(k, kwargs)}
+        return super().__call__(class_type, *args, applied_instantiation_links=applied, **kwargs)
+
+
+def _reached(link: str, kwargs: dict[str, Any]) -> bool:
+    """Whether ``model.init_args.a`` or ``model.init_args.a.init_args.b`` is an argument of the built objects."""
+    names = [name for name in link.split(".")[1:] if name != "init_args"]
+    if not names or names[0] not in kwargs:
+        return False
+    if len(names) == 1:
+        return True
+    return len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
+
+
 def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the instantiated data module
     """A link function reading ``name`` from the data module, or None when it has no such attribute."""
 
@@ -208,6 +247,21 @@ def _check_yaml_files(argv: list[str]) -> None:
             raise ConfigError(message) from None
 
 
+def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI) -> CLI:
+    """The command line as ``python -m template`` builds it: any LightningModule and DataModule by class_path."""
+    return cli_class(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        seed_everything_default=1234,
+        # Random states travel in every checkpoint so that a resumed run continues exactly.
+        trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
+        args=args,
+        run=run,
+    )
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``python -m template`` and of the ``template`` console script."""
     # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
@@ -222,15 +276,7 @@ def main(args: list[str] | None = None) -> None:
 
             export_main(argv[1:])
             return
-        CLI(
-            Classifier,
-            LightningDataModule,
-            subclass_mode_data=True,
-            seed_everything_default=1234,
-            # Random states travel in every checkpoint so that a resumed run continues exactly.
-            trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
-            args=args,
-        )
+        build_cli(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,16 +1,18 @@
-"""A user's own network and DataModule, outside the package: used from YAML by class_path only."""
+"""A user's own networks, LightningModule and DataModules, outside the package: used from YAML by class_path only."""
 
 import os
 from pathlib import Path
 
 import torch
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanSquaredError
 
 
 class TinyNet(nn.Module):
-    """A user's plain PyTorch net with its own argument names, plus the two the template links."""
+    """A user's plain PyTorch net with its own argument names, plus the two the project links."""
 
     def __init__(self, input_shape: list[int], num_classes: int, width: int = 16) -> None:
         super().__init__()
@@ -44,6 +46,57 @@ class Blobs(LightningDataModule):
         y = torch.randint(0, self.num_classes, (self.samples,), generator=generator)
         x = centres[y] + torch.randn(self.samples, *self.input_shape, generator=generator)
         cut = self.samples * 4 // 5
+        self.train, self.val = TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=self.batch_size)
+
+
+class Regressor(LightningModule):
+    """A user's own LightningModule: regression, its network in `self.body`, nothing of the project's Classifier."""
+
+    def __init__(self, body: nn.Module, lr: float = 0.01) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = body
+        self.val_mse = MeanSquaredError()
+
+    def forward(self, x):
+        return self.body(x).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_mse", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_mse.update(self(x), y)
+
+    def on_validation_epoch_end(self):
+        self.log("val_mse", self.val_mse, prog_bar=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class Waves(LightningDataModule):
+    """y = sin(x0) + x1 / 2 with noise: a regression set with a `batch_size` the project's scaling can set."""
+
+    def __init__(self, batch_size: int = 32, samples: int = 512) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.samples = samples
+
+    def setup(self, stage: str) -> None:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.rand(self.samples, 2, generator=generator) * 6 - 3
+        y = torch.sin(x[:, 0]) + x[:, 1] / 2 + 0.05 * torch.randn(self.samples, generator=generator)
+        cut = self.samples * 3 // 4
         self.train, self.val = TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
 
     def train_dataloader(self):
