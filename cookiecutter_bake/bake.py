@@ -131,8 +131,11 @@ def rewrite_pyproject(text: str, answers: Mapping[str, object]) -> str:
     return re.sub(rf"(?m)^[ \t]*[\"'](?:{dropped})(?![\w-])[^\"'\n]*[\"'][ \t]*,?[ \t]*\n", "", text)
 
 
+USER_ROOM_HEADING = "## Where to put your model and data"
+
+
 def readme_body(root: Path, answers: Mapping[str, object]) -> str:
-    """The live README after its title and introduction, renamed, without its cookiecutter and licence sections."""
+    """The live README after its introduction, renamed, user's section first, no cookiecutter or licence sections."""
     text = (root / "README.md").read_text(encoding="utf-8")
     sections: list[list[str]] = [[]]
     fenced = False
@@ -147,6 +150,8 @@ def readme_body(root: Path, answers: Mapping[str, object]) -> str:
         for section in sections[1:]
         if not re.search(r"cookiecutter|^## licen[cs]e", section[0], flags=re.I)
     ]
+    # A new project's README starts where its owner starts: where their model and data go.
+    kept.sort(key=lambda section: not section.startswith(USER_ROOM_HEADING))
     return renamer(root, answers).text("".join(kept), ".md").strip() + "\n"
 
 

@@ -18,11 +18,15 @@ CLUTTER_TOP = {"data", "runs"}  # data caches and run output at the project root
 CLUTTER_SUFFIXES = (".egg-info", ".pyc", ".pyo", ".ckpt")
 # Cookiecutter-only files at the root (besides anything named cookiecutter*).
 BAKE_ONLY_TOP = {"hooks", TEMPLATED_DIR, ".cruft.json"}
+# Measured on and for this repository: a baked project measures its own.
+REPO_RESULTS = PurePosixPath("docs/results")
 
 
 def is_bake_only(rel: PurePosixPath) -> bool:
-    """cookiecutter.json, hooks/, this package, the templated folder and the cookiecutter tests."""
+    """cookiecutter.json, hooks/, this package, the templated folder, the cookiecutter tests, this repo's results."""
     top = rel.parts[0]
+    if rel.is_relative_to(REPO_RESULTS):
+        return True
     if top in BAKE_ONLY_TOP or top.startswith("cookiecutter") or "{{" in top:
         return True
     return any(part.startswith(("cookiecutter", "test_cookiecutter")) for part in rel.parts[1:])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training throughput of the template under single, dp and ddp against a hand-written PyTorch loop.
+"""Training throughput of the project under single, dp and ddp against a hand-written PyTorch loop.
 
     python scripts/benchmark.py                                 # a small MLP on synthetic data, and the example
     python scripts/benchmark.py --config configs/my.yaml        # your own model and data (configs stack)
@@ -59,7 +59,7 @@ data:
 """
 
 
-# The reference row of Lightning's loop without the template's loggers, progress bar and callbacks.
+# The reference row of Lightning's loop without the project's loggers, progress bar and callbacks.
 BARE = "bare Lightning"
 
 WORKLOADS = {"mlp": "MLP 784-256-10, batch 64, synthetic data", "example": "example (configs/default.yaml)"}
@@ -165,7 +165,7 @@ def _batch_len(batch: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The hand-written baseline: the same net, data, batch and optimizer as the template run, in plain PyTorch.
+# The hand-written baseline: the same net, data, batch and optimizer as the project run, in plain PyTorch.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -176,8 +176,7 @@ def _endless(loader: DataLoader) -> Iterator[Any]:
 
 def _build(cli_args: list[str]) -> Any:
     """The LightningCLI object of `fit` with these arguments, stopped before training (same seed, links, batch)."""
-    from template.engine.cli import CLI
-    from template.model import Classifier
+    from template.engine.cli import CLI, build_cli
 
     class Built(Exception):
         pass
@@ -190,12 +189,9 @@ def _build(cli_args: list[str]) -> Any:
             raise Built(self)
 
     try:
-        BuildOnly(
-            Classifier,
-            LightningDataModule,
-            subclass_mode_data=True,
-            seed_everything_default=1234,
-            args=["fit", *cli_args, "--trainer.logger=false", "--trainer.devices=1", "--trainer.strategy=auto"],
+        build_cli(
+            ["fit", *cli_args, "--trainer.logger=false", "--trainer.devices=1", "--trainer.strategy=auto"],
+            cli_class=BuildOnly,
         )
     except Built as built:
         return built.args[0]
@@ -250,9 +246,9 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
 
 
 def bare_worker(out_path: str, warmup: int, steps: int, cli_args: list[str]) -> None:
-    """Lightning's own floor: the config's LightningModule and data in a Trainer without what the template adds.
+    """Lightning's own floor: the config's LightningModule and data in a Trainer without what the project adds.
 
-    No loggers, progress bar, checkpointing or callbacks besides the timer: the template's row minus this one is
+    No loggers, progress bar, checkpointing or callbacks besides the timer: the project's row minus this one is
     what its defaults cost per step, and this row minus the hand-written loop is Lightning's loop.
     """
     cli = _build(cli_args)
@@ -331,7 +327,7 @@ IMPORT_GROUPS = ("torch", "torch._dynamo", "lightning", "torchmetrics", "matplot
 
 
 def import_breakdown(work: Path, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of ``import <package>.engine.cli`` per group of IMPORT_GROUPS and the package, from ``python -X importtime``."""
+    """Seconds of ``import <package>.engine.cli`` per group of IMPORT_GROUPS and the package (``-X importtime``)."""
     command = [sys.executable, "-X", "importtime", "-c", f"import {PACKAGE}.engine.cli"]
     result = subprocess.run(
         command, cwd=work, env=_child_env(args.threads), capture_output=True, text=True, timeout=args.timeout
@@ -516,7 +512,7 @@ COLUMNS = [
 
 
 def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
-    """One row per cell with speed-up and efficiency against the template on one device, and the hand-loop ratio."""
+    """One row per cell with speed-up and efficiency against the project on one device, and the hand-loop ratio."""
     rows = []
     for cell in cells:
         if cell.strategy == "imports":
@@ -525,8 +521,8 @@ def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
         single = next((c for c in same if c.strategy == "single"), None)
         hand = next(c for c in same if c.strategy == "hand-written")
         training = cell.strategy != "data pipeline"
-        template_run = cell.strategy in ("single", "dp", "ddp")
-        speedup = cell.throughput / single.throughput if single and template_run else None
+        project_run = cell.strategy in ("single", "dp", "ddp")
+        speedup = cell.throughput / single.throughput if single and project_run else None
         rows.append(
             {
                 "workload": cell.workload,
@@ -546,7 +542,7 @@ def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
 
 
 def summary_lines(cells: list[Cell]) -> list[str]:
-    """The acceptance ratios in words: template vs hand-written per step, data pipeline vs training."""
+    """The acceptance ratios in words: project vs hand-written per step, data pipeline vs training."""
     lines = []
     imports = next((c for c in cells if c.strategy == "imports"), None)
     for workload in dict.fromkeys(c.workload for c in cells if c.strategy != "imports"):
@@ -556,21 +552,21 @@ def summary_lines(cells: list[Cell]) -> list[str]:
         if single is None:
             continue
         lines.append(
-            f"- **{workload}**: the template takes {single.step_ms / hand.step_ms:.2f}x the time per step of the "
+            f"- **{workload}**: the project takes {single.step_ms / hand.step_ms:.2f}x the time per step of the "
             f"hand-written loop ({single.step_ms:.2f} ms vs {hand.step_ms:.2f} ms, "
             f"{single.step_ms - hand.step_ms:+.2f} ms per step); the data pipeline alone delivers "
             f"{data.throughput:,.0f} samples/s, {data.throughput / single.throughput:.1f}x what training consumes; "
             f"first training step {single.startup:.1f} s after `python -m {PACKAGE} fit` starts. "
             f"Lightning's loop alone (same LightningModule; no loggers, progress bar, checkpointing or callbacks) "
-            f"takes {bare.step_ms / hand.step_ms:.2f}x ({bare.step_ms:.2f} ms): the template's defaults add "
+            f"takes {bare.step_ms / hand.step_ms:.2f}x ({bare.step_ms:.2f} ms): the project's defaults add "
             f"{single.step_ms - bare.step_ms:+.2f} ms per step to it."
         )
     if imports is not None:
         parts = imports.import_seconds
         shares = ", ".join(f"{name} {parts.get(name, 0.0):.2f} s" for name in (*IMPORT_GROUPS, PACKAGE, "other"))
         lines.append(
-            f"- **start-up**: `python -c 'import {PACKAGE}.engine.cli'` alone takes {imports.startup:.1f} s (median of its "
-            f"own runs). Import time by what pulled it in (`python -X importtime`): {shares}."
+            f"- **start-up**: `python -c 'import {PACKAGE}.engine.cli'` alone takes {imports.startup:.1f} s (median of "
+            f"its own runs). Import time by what pulled it in (`python -X importtime`): {shares}."
         )
     return lines
 
@@ -644,7 +640,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
                 line = "-" if len(xs) > 1 else "none"
                 size = 11 if marker == "*" else 7
                 labels = {"hand-written": "hand-written loop", BARE: "Lightning, no loggers/bar/callbacks"}
-                label = labels.get(strategy, f"template, {strategy}")
+                label = labels.get(strategy, f"project, {strategy}")
                 ax.plot(xs, ys, marker=marker, linestyle=line, color=color, label=label, markersize=size)
         single = next((r for r in mine if r["strategy"] == "single"), None)
         top = max(r["devices"] for r in mine)
@@ -696,7 +692,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--config",
         action="append",
         type=Path,
-        help="a config of the template (repeat to stack); default: the MLP and configs/default.yaml",
+        help="a config of the project (repeat to stack); default: the MLP and configs/default.yaml",
     )
     parser.add_argument("--steps", type=int, default=500, help="timed training steps per run (default 500)")
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps before them (default 50)")

@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import NoReturn
 
-# Per-epoch columns the template's Classifier logs, and where each curve comes from.
+# Per-epoch columns the project's Classifier logs, and where each curve comes from.
 CURVES = {
     "loss": {"train": "train_loss_epoch", "val": "val_loss"},
     "accuracy": {"train": "train_acc", "val": "val_acc"},

@@ -77,7 +77,7 @@ def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: 
     assert markdown.startswith("Machine: ") and "CPU cores" in markdown
     assert "| strategy | devices | batch/device | samples/s |" in markdown and "| ddp | 2 | 64 |" in markdown
     assert "the time per step of the hand-written loop" in markdown and "what training consumes" in markdown
-    # Lightning's own floor next to the template, so the cost of the template's defaults is their difference.
+    # Lightning's own floor next to the project, so the cost of the project's defaults is their difference.
     bare = rows[("bare Lightning", 1)]
     floor = re.search(r"Lightning's loop alone .* takes (\d+\.\d+)x \((\d+\.\d+) ms\)", markdown)
     assert floor, markdown[-1500:]

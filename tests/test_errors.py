@@ -17,7 +17,7 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine w
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ROOT = os.geteuid() == 0
 # Root writes through permission bits; sysfs refuses new directories even to root.
-UNWRITABLE = "/sys/template-test-data/data" if ROOT else "readonly/data"
+UNWRITABLE = "/sys/unwritable-test-data/data" if ROOT else "readonly/data"
 
 BASE = [
     "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
@@ -54,7 +54,7 @@ CASES = {
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
     "logger-save-interval": (
         [
-            f"--trainer.logger={PACKAGE}.loggers.CSVLogger",
+            f"--trainer.logger={PACKAGE}.engine.loggers.CSVLogger",
             *("--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.save_interval=-3"),
         ],
         ["save_interval=-3.0", "use e.g. 5"],
