@@ -269,7 +269,11 @@ def test_one_process_per_node_under_torchrun_picks_on_its_own_node(nvml, monkeyp
 # --- the command line, in process ----------------------------------------------------------------------------------
 
 
+BUILT_TRAINERS: list = []
+
+
 def _report_instead_of_training(self: cli.CLI) -> None:
+    BUILT_TRAINERS.append(self.trainer)
     strategy = self.trainer.strategy
     devices = getattr(strategy, "parallel_devices", None) or [strategy.root_device]
     built = {
@@ -317,6 +321,32 @@ def test_ddp_child_builds_the_same_trainer_from_the_handed_down_choice(run_with_
     config = CONFIGS / "ddp.yaml"
     built, log = run_with_fake_gpus(6, "fit", "--config", config, "--trainer.devices=free:2,min=8GiB")
     assert built["devices"] == ["cuda:3", "cuda:5"] and "training on GPU" not in log
+
+
+def test_lightnings_ddp_launcher_hands_the_choice_to_its_children(
+    run_with_fake_gpus, nvml, monkeypatch, caplog
+) -> None:  # noqa: ANN001
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    nvml()
+    args = ("fit", "--config", CONFIGS / "ddp.yaml", "--trainer.devices=free:2")
+    assert run_with_fake_gpus(6, *args)[0]["devices"] == ["cuda:3", "cuda:5"]
+    # Lightning's own launcher starts rank 1 (recorded, not run): it sets these variables in rank 0's environment.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(subprocess_script.subprocess, "Popen", lambda command, env, cwd: started.append(env))
+    BUILT_TRAINERS[-1].strategy.launcher._call_children_scripts()
+    (child_env,) = started
+    assert child_env["LOCAL_RANK"] == "1" and child_env[HANDOFF_VARIABLE] == "free:2->3,5"
+    # Rank 1 runs the same command line in that environment, with NVML not importable: it cannot have asked NVML.
+    for name, value in child_env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    caplog.clear()
+    built, log = run_with_fake_gpus(6, *args)
+    assert built["devices"] == ["cuda:3", "cuda:5"] and "[rank: 1]" in log and "training on GPU" not in log
 
 
 def test_yaml_form_and_one_line_error_through_the_command_line(run_main, nvml, tmp_path: Path) -> None:  # noqa: ANN001
