@@ -54,7 +54,7 @@ CASES = {
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
     "logger-save-interval": (
         [
-            f"--trainer.logger={PACKAGE}.loggers.CSVLogger",
+            f"--trainer.logger={PACKAGE}.engine.loggers.CSVLogger",
             *("--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.save_interval=-3"),
         ],
         ["save_interval=-3.0", "use e.g. 5"],
