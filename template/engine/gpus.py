@@ -102,13 +102,11 @@ def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
             "trainer.accelerator=gpu (or auto), or give CPU devices as a number of processes (devices: 2)"
         )
     _refuse_under_external_launcher(request)
-    handed_down = _handed_down_choice(request)
-    if handed_down is not None:
-        trainer["devices"] = handed_down
-        return
-    chosen, message = pick_free_gpus(request)
-    rank_zero_info(message)
-    os.environ[HANDOFF_VARIABLE] = f"{request.text}->{','.join(map(str, chosen))}"
+    chosen = _handed_down_choice(request)
+    if chosen is None:
+        chosen, message = pick_free_gpus(request)
+        rank_zero_info(message)
+        os.environ[HANDOFF_VARIABLE] = f"{request.text}->{','.join(map(str, chosen))}"
     if accelerator == "auto":
         trainer["accelerator"] = "gpu"  # "auto" could otherwise fall back to another accelerator than the picked GPUs
     trainer["devices"] = chosen
