@@ -331,7 +331,8 @@ IMPORT_GROUPS = ("torch", "torch._dynamo", "lightning", "torchmetrics", "matplot
 
 
 def import_breakdown(work: Path, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of ``import <package>.engine.cli`` per group of IMPORT_GROUPS and the package, from ``python -X importtime``."""
+    """Seconds of ``import <package>.engine.cli`` per group of IMPORT_GROUPS and the package, from
+    ``python -X importtime``."""
     command = [sys.executable, "-X", "importtime", "-c", f"import {PACKAGE}.engine.cli"]
     result = subprocess.run(
         command, cwd=work, env=_child_env(args.threads), capture_output=True, text=True, timeout=args.timeout
@@ -569,8 +570,8 @@ def summary_lines(cells: list[Cell]) -> list[str]:
         parts = imports.import_seconds
         shares = ", ".join(f"{name} {parts.get(name, 0.0):.2f} s" for name in (*IMPORT_GROUPS, PACKAGE, "other"))
         lines.append(
-            f"- **start-up**: `python -c 'import {PACKAGE}.engine.cli'` alone takes {imports.startup:.1f} s (median of its "
-            f"own runs). Import time by what pulled it in (`python -X importtime`): {shares}."
+            f"- **start-up**: `python -c 'import {PACKAGE}.engine.cli'` alone takes {imports.startup:.1f} s (median "
+            f"of its own runs). Import time by what pulled it in (`python -X importtime`): {shares}."
         )
     return lines
 
