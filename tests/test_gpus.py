@@ -188,6 +188,17 @@ def test_no_gpu_is_one_line(nvml, monkeypatch, cards, visible, init_error, reaso
     assert reason in message and "configs/ddp_cpu.yaml" in message
 
 
+def test_an_nvml_failure_while_reading_is_one_line(nvml, monkeypatch) -> None:  # noqa: ANN001
+    fake = nvml()
+
+    def no_permission(handle: object) -> None:
+        raise fake.NVMLError("Insufficient Permissions")
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetMemoryInfo", no_permission, raising=False)
+    refused("free:1", r"cannot read the GPUs' free memory \(NVML: Insufficient Permissions\); list the devices")
+    assert fake.open == 0
+
+
 def test_without_nvml_says_which_extra_to_install(nvml, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     message = refused("free:2", "NVML, which is not installed")

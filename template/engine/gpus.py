@@ -197,6 +197,11 @@ def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             gpus.append(GpuMemory(index, int(memory.free), int(memory.total)))
         return gpus
+    except pynvml.NVMLError as err:  # e.g. a GPU NVML may not query from inside a container
+        raise ConfigError(
+            f"trainer.devices={request.text!r} cannot read the GPUs' free memory (NVML: {err}); list the devices "
+            "explicitly (devices: [0, 1])"
+        ) from None
     finally:
         pynvml.nvmlShutdown()
 
