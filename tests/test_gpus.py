@@ -16,7 +16,7 @@ import torch
 from template.engine import cli, gpus
 from template.engine.errors import ConfigError
 from template.engine.gpus import HANDOFF_VARIABLE, parse_free_request, pick_free_gpus, resolve_free_devices
-from tests.conftest import CONFIGS, PACKAGE
+from tests.conftest import CONFIGS
 
 GIB = 1024**3
 
@@ -202,7 +202,7 @@ def test_an_nvml_failure_while_reading_is_one_line(nvml, monkeypatch) -> None:  
 def test_without_nvml_says_which_extra_to_install(nvml, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     message = refused("free:2", "NVML, which is not installed")
-    assert f"pip install '{PACKAGE}[gpu]' (nvidia-ml-py)" in message
+    assert "pip install nvidia-ml-py (this project's gpu extra: pip install -e '.[gpu]')" in message
 
 
 def test_mig_instances_are_refused(nvml, monkeypatch) -> None:  # noqa: ANN001

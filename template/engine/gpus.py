@@ -1,7 +1,7 @@
 """Shared GPU machines: ``trainer.devices: free:N`` picks the N visible GPUs with the most free memory, and the
 GPU-only defaults (float32 matmul precision) that cost nothing on the CPU.
 
-Free memory is read through NVML (``pip install <package>[gpu]``, module ``pynvml``), which does not create a CUDA
+Free memory is read through NVML (the ``gpu`` extra: nvidia-ml-py, module ``pynvml``), which does not create a CUDA
 context: asking torch (``torch.cuda.mem_get_info``) would put a context of a few hundred MiB on every GPU it looks at,
 including the busy ones that someone else is using.
 """
@@ -25,7 +25,6 @@ from template.engine.errors import ConfigError
 # The name is package-neutral on purpose (the package is renamed by cookiecutter).
 HANDOFF_VARIABLE = "FREE_GPUS_CHOSEN"
 _GIB = 1024**3
-_DISTRIBUTION = __name__.split(".")[0]
 _SYNTAX = "free:N or free:N,min=MGiB (e.g. free:2 or free:2,min=8GiB)"
 _REQUEST = re.compile(r"free:\s*(?P<count>[^,]*?)\s*(?:,\s*min\s*=\s*(?P<min>[^,]*?)\s*)?", re.IGNORECASE)
 
@@ -181,7 +180,8 @@ def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
     except ImportError:
         raise ConfigError(
             f"trainer.devices={request.text!r} reads each GPU's free memory through NVML, which is not installed; "
-            f"pip install '{_DISTRIBUTION}[gpu]' (nvidia-ml-py), or list the devices explicitly"
+            "pip install nvidia-ml-py (this project's gpu extra: pip install -e '.[gpu]'), or list the devices "
+            "explicitly"
         ) from None
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
