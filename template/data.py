@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
@@ -54,7 +55,7 @@ class DigitsDataModule(LightningDataModule):
         data_dir: str = "data",
         batch_size: int = 64,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         persistent_workers: bool = False,
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
@@ -125,9 +126,16 @@ class DigitsDataModule(LightningDataModule):
             shuffle=shuffle,
             collate_fn=collate_batch,
             num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=self._pin_memory(),
             persistent_workers=self.persistent_workers,
         )
+
+    def _pin_memory(self) -> bool:
+        # None = auto: page-locked batches copy to a GPU asynchronously; on the CPU pinning only costs time.
+        if self.pin_memory is not None:
+            return self.pin_memory
+        trainer = self.trainer
+        return trainer is not None and isinstance(trainer.accelerator, CUDAAccelerator)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

@@ -25,6 +25,16 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(autouse=True)
+def _restore_matmul_precision():  # noqa: ANN202
+    """The command line sets torch's global float32 matmul precision on (faked) CUDA runs: undo it after each test."""
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
 @pytest.fixture
 def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run ``python -m <package> *args`` in ``tmp_path`` with a hard timeout; returns the completed process."""

@@ -82,3 +82,21 @@ def test_data_dir_that_is_a_file_is_refused(tmp_path):
 def test_non_positive_batch_size_is_refused(batch_size):
     with pytest.raises(ConfigError, match=f"batch_size must be a positive integer, got {batch_size}"):
         DigitsDataModule(batch_size=batch_size)
+
+
+@pytest.mark.parametrize(
+    ("pin_memory", "accelerator", "expected"),
+    [(None, None, False), (None, "cpu", False), (None, "cuda", True), (False, "cuda", False), (True, "cpu", True)],
+)
+def test_pin_memory_is_on_for_cuda_trainers_unless_set(tmp_path, pin_memory, accelerator, expected):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+
+    dm = DigitsDataModule(data_dir=str(tmp_path), pin_memory=pin_memory)
+    dm.prepare_data()
+    dm.setup("fit")
+    if accelerator is not None:
+        # Only the accelerator's type is read; a real CUDA Trainer cannot be built without a GPU.
+        dm.trainer = SimpleNamespace(accelerator={"cpu": CPUAccelerator, "cuda": CUDAAccelerator}[accelerator]())
+    assert [dm.train_dataloader().pin_memory, dm.val_dataloader().pin_memory] == [expected, expected]

@@ -20,6 +20,7 @@ from template.engine.cadence import LogCadence
 from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.compile import CompileNetwork
 from template.engine.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
+from template.engine.gpus import add_gpu_arguments, apply_matmul_precision, resolve_free_devices
 from template.engine.loggers import default_loggers
 from template.engine.predictions import PredictionWriter
 from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
@@ -62,6 +63,7 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
         parser.add_lightning_class_args(LogCadence, "log_cadence")
         parser.add_lightning_class_args(CompileNetwork, "compile")
+        add_gpu_arguments(parser)
         parser.set_defaults(
             {
                 # The example; any LightningModule and LightningDataModule replace them by class_path.
@@ -113,9 +115,12 @@ class CLI(LightningCLI):
             # every 10th is as readable. A progress bar in trainer.callbacks replaces this one.
             kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=10)])
         try:
+            # `devices: free:N` becomes a list of GPU indices before anything reads it (here, dp's checks, Lightning).
+            resolve_free_devices(trainer_config)
             # Before Lightning's own accelerator checks, whose messages cannot point to the CPU alternative.
             check_dp_trainer_config(trainer_config)
             trainer = super().instantiate_trainer(**kwargs)
+            apply_matmul_precision(self._get(self.config_init, "float32_matmul_precision"), trainer)
             # Lightning compares devices x num_nodes with what torchrun or SLURM started only inside fit, with a
             # traceback from every process: compare them here, where the mismatch becomes one line.
             launcher = getattr(trainer.strategy, "launcher", None)

@@ -1,0 +1,278 @@
+"""Shared GPU machines: ``trainer.devices: free:N`` picks the N visible GPUs with the most free memory, and the
+GPU-only defaults (float32 matmul precision) that cost nothing on the CPU.
+
+Free memory is read through NVML (the ``gpu`` extra: nvidia-ml-py, module ``pynvml``), which does not create a CUDA
+context: asking torch (``torch.cuda.mem_get_info``) would put a context of a few hundred MiB on every GPU it looks at,
+including the busy ones that someone else is using.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.utilities import rank_zero_info
+
+from template.engine.errors import ConfigError
+
+# The choice rank 0 made, handed to the DDP processes Lightning starts with rank 0's environment: "<request>-><list>".
+# The name is package-neutral on purpose (the package is renamed by cookiecutter).
+HANDOFF_VARIABLE = "FREE_GPUS_CHOSEN"
+_GIB = 1024**3
+_SYNTAX = "free:N or free:N,min=MGiB (e.g. free:2 or free:2,min=8GiB)"
+_REQUEST = re.compile(r"free:\s*(?P<count>[^,]*?)\s*(?:,\s*min\s*=\s*(?P<min>[^,]*?)\s*)?", re.IGNORECASE)
+
+MatmulPrecision = Literal["auto", "highest", "high", "medium"]
+
+
+@dataclass(frozen=True)
+class FreeRequest:
+    """A parsed ``free:N[,min=MGiB]`` value."""
+
+    text: str
+    count: int
+    min_free_gib: float = 0.0
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One visible GPU as NVML reports it: ``index`` is the index inside this process (after CUDA_VISIBLE_DEVICES)."""
+
+    index: int
+    free: int
+    total: int
+
+    def describe(self) -> str:
+        return f"GPU {self.index}: {self.free / _GIB:.1f} of {self.total / _GIB:.1f} GiB free"
+
+
+def parse_free_request(devices: Any) -> FreeRequest | None:
+    """The request in a ``trainer.devices`` value, None for the values Lightning reads itself (2, [0, 1], "auto")."""
+    if not isinstance(devices, str) or not devices.strip().lower().startswith("free:"):
+        return None
+    text = devices.strip()
+    match = _REQUEST.fullmatch(text)
+    count = _number(match.group("count"), int) if match else None
+    min_text = (match.group("min") or "0") if match else ""
+    min_free = _number(re.sub(r"(?i)\s*g(?:i?b)?$", "", min_text), float) if match else None
+    if count is None or count < 1 or min_free is None or not 0 <= min_free < float("inf"):
+        raise ConfigError(
+            f"trainer.devices={text!r} is not a free-GPU request; write {_SYNTAX}: N >= 1 GPUs, each with at "
+            "least M GiB free"
+        )
+    return FreeRequest(text, count, min_free)
+
+
+def _integer(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
+
+
+def _number(text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        return None
+
+
+def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
+    """Replace ``trainer["devices"]`` = ``free:N[,min=M]`` by the list of GPU indices it picks, in place.
+
+    Lightning's DDP launcher re-runs this command line for ranks 1..N with rank 0's environment: rank 0 decides and
+    hands the list down in ``FREE_GPUS_CHOSEN``, so every process trains on the same GPUs even if the free memory
+    changes in between (rank 0's own context appears on its first GPU). Processes that torchrun, SLURM and similar
+    start each on their own could pick differently: there the request is refused, list the devices explicitly.
+    """
+    request = parse_free_request(trainer.get("devices"))
+    if request is None:
+        return
+    accelerator = str(trainer.get("accelerator") or "auto").lower()
+    if accelerator not in ("auto", "gpu", "cuda"):
+        raise ConfigError(
+            f"trainer.devices={request.text!r} picks CUDA GPUs but trainer.accelerator is {accelerator!r}; set "
+            "trainer.accelerator=gpu (or auto), or give CPU devices as a number of processes (devices: 2)"
+        )
+    _refuse_under_external_launcher(request)
+    chosen = _handed_down_choice(request)
+    if chosen is None:
+        chosen, message = pick_free_gpus(request)
+        rank_zero_info(message)
+        os.environ[HANDOFF_VARIABLE] = f"{request.text}->{','.join(map(str, chosen))}"
+    if accelerator == "auto":
+        trainer["accelerator"] = "gpu"  # "auto" could otherwise fall back to another accelerator than the picked GPUs
+    trainer["devices"] = chosen
+
+
+def _handed_down_choice(request: FreeRequest) -> list[int] | None:
+    """The list rank 0 picked, in a process Lightning's DDP launcher started (LOCAL_RANK >= 1); None in rank 0."""
+    local_rank = os.environ.get("LOCAL_RANK", "0").strip() or "0"
+    if local_rank == "0":
+        return None  # the deciding process; a value left in the shell by an earlier run is overwritten
+    value = os.environ.get(HANDOFF_VARIABLE, "")
+    decided_for, _, indices = value.rpartition("->")
+    if decided_for != request.text or not re.fullmatch(r"\d+(,\d+)*", indices):
+        # Picking here could differ from rank 0's pick: the processes would train on overlapping GPUs.
+        raise ConfigError(
+            f"trainer.devices={request.text!r}: this process is local rank {local_rank} but has no choice handed "
+            f"down from rank 0 ({HANDOFF_VARIABLE}={value!r}); start one process and let Lightning launch the "
+            "others, or list the GPUs explicitly (devices: [0, 1])"
+        )
+    return [int(index) for index in indices.split(",")]
+
+
+def _refuse_under_external_launcher(request: FreeRequest) -> None:
+    """Raise ConfigError when an outside launcher started several processes on this node, each of which would pick
+    on its own. Only processes on the same node must agree: one process per node (torchrun --nproc_per_node=1, a
+    Kubeflow pod, which Lightning does not detect anyway) picks among its own node's GPUs."""
+    from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
+    # Processes per node as each launcher states it; missing counts as several (refuse rather than guess).
+    local_sizes = {
+        TorchElasticEnvironment: "LOCAL_WORLD_SIZE",
+        SLURMEnvironment: "SLURM_NTASKS_PER_NODE",
+        LSFEnvironment: "JSM_NAMESPACE_LOCAL_SIZE",
+    }
+    for environment, variable in local_sizes.items():
+        if environment.detect() and _integer(os.environ.get(variable), default=2) > 1:
+            raise ConfigError(
+                f"trainer.devices={request.text!r} is decided by one process and handed to the DDP processes "
+                f"Lightning starts, but {environment.__name__.replace('Environment', '')} started this process as "
+                "one of several on this node, each of which would pick on its own; list the GPUs explicitly "
+                "(devices: [0, 1], or let the scheduler set CUDA_VISIBLE_DEVICES), or start one process and let "
+                "Lightning launch ddp"
+            )
+
+
+def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
+    """The visible indices of the ``request.count`` GPUs with the most free memory, and a one-line report of why."""
+    gpus = read_visible_gpus(request)
+    qualifying = [gpu for gpu in gpus if gpu.free >= request.min_free_gib * _GIB]
+    # Most free first: under dp the first device is the root that gathers outputs and holds the optimizer state.
+    qualifying.sort(key=lambda gpu: (-gpu.free, gpu.index))
+    floor = f" with at least {request.min_free_gib:g} GiB free" if request.min_free_gib else ""
+    listing = "; ".join(gpu.describe() for gpu in gpus)
+    if len(qualifying) < request.count:
+        raise ConfigError(
+            f"trainer.devices={request.text!r} needs {request.count} GPU(s){floor} but {len(qualifying)} of the "
+            f"{len(gpus)} visible qualify ({listing}); ask for fewer, lower min, wait for memory to free up, or list "
+            "the devices explicitly"
+        )
+    chosen = [gpu.index for gpu in qualifying[: request.count]]
+    message = (
+        f"trainer.devices={request.text!r}: training on GPU(s) {chosen}, the {request.count} with the most free "
+        f"memory{floor} of {len(gpus)} visible ({listing})"
+    )
+    return chosen, message
+
+
+def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
+    """Free and total memory of every GPU this process can see, in CUDA's visible order, read through NVML."""
+    try:
+        import pynvml
+    except ImportError:
+        raise ConfigError(
+            f"trainer.devices={request.text!r} reads each GPU's free memory through NVML, which is not installed; "
+            "pip install nvidia-ml-py (this project's gpu extra: pip install -e '.[gpu]'), or list the devices "
+            "explicitly"
+        ) from None
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        raise ConfigError(_no_gpu(request, hidden, f"NVML cannot start: {err}")) from None
+    try:
+        handles = _visible_handles(pynvml, hidden)
+        if not handles:
+            raise ConfigError(_no_gpu(request, hidden, "NVML lists no GPU" if hidden is None else "none visible"))
+        gpus = []
+        for index, handle in enumerate(handles):
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(GpuMemory(index, int(memory.free), int(memory.total)))
+        return gpus
+    except pynvml.NVMLError as err:  # e.g. a GPU NVML may not query from inside a container
+        raise ConfigError(
+            f"trainer.devices={request.text!r} cannot read the GPUs' free memory (NVML: {err}); list the devices "
+            "explicitly (devices: [0, 1])"
+        ) from None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _no_gpu(request: FreeRequest, hidden: str | None, reason: str) -> str:
+    note = f", CUDA_VISIBLE_DEVICES={hidden!r}" if hidden is not None else ""
+    return (
+        f"trainer.devices={request.text!r} picks among CUDA GPUs but this process sees none ({reason}{note}); "
+        "train on the CPU with devices: N processes (e.g. --config configs/ddp_cpu.yaml) or run where GPUs are"
+    )
+
+
+def _visible_handles(pynvml: Any, hidden: str | None) -> list[Any]:
+    """NVML handles of the GPUs CUDA numbers 0, 1, ... in this process: NVML indexes physical GPUs, CUDA only the
+    ones CUDA_VISIBLE_DEVICES lists, in its order, by index or UUID (prefix); CUDA ignores everything from the
+    first entry it cannot use onwards, and so does this."""
+    count = pynvml.nvmlDeviceGetCount()
+    physical = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    if hidden is None:
+        return physical
+    uuids = [_text(pynvml.nvmlDeviceGetUUID(handle)) for handle in physical]
+    visible: list[Any] = []
+    for entry in (part.strip() for part in hidden.split(",")):
+        if re.fullmatch(r"[+-]?\d+", entry):
+            position = int(entry)
+            if not 0 <= position < count:
+                break
+        elif entry.upper().startswith("GPU-"):
+            matches = [i for i, uuid in enumerate(uuids) if uuid.upper().startswith(entry.upper())]
+            if len(matches) != 1:
+                break
+            position = matches[0]
+        else:
+            if entry.upper().startswith("MIG-"):
+                raise ConfigError(
+                    f"CUDA_VISIBLE_DEVICES={hidden!r} names a MIG instance, whose free memory NVML reports per "
+                    "instance and not by this name; list the devices explicitly instead of free:N"
+                )
+            break
+        if physical[position] in visible:
+            break  # CUDA refuses a GPU listed twice the same way
+        visible.append(physical[position])
+    return visible
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# --- float32 matmul precision ------------------------------------------------------------------------------------
+
+
+def add_gpu_arguments(parser: LightningArgumentParser) -> None:
+    """The top-level ``float32_matmul_precision`` option."""
+    parser.add_argument(
+        "--float32_matmul_precision",
+        type=MatmulPrecision,
+        default="auto",
+        help=(
+            "torch.set_float32_matmul_precision: 'high' lets float32 matmuls use TF32 tensor cores (faster, 10-bit "
+            "mantissa), 'highest' keeps full float32. auto = 'high' on CUDA, torch's default elsewhere."
+        ),
+    )
+
+
+def apply_matmul_precision(value: str | None, trainer: Trainer) -> None:
+    """Set torch's float32 matmul precision for this run; ``auto`` changes it only when training on CUDA."""
+    import torch
+
+    if value in (None, "auto"):
+        if not isinstance(trainer.accelerator, CUDAAccelerator):
+            return  # CPU results stay as they were (newer torch routes this setting to oneDNN too)
+        value = "high"
+    torch.set_float32_matmul_precision(value)
