@@ -16,10 +16,19 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.engine.checkpoint_io import AtomicCheckpointIO
-from template.engine.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
+from template.engine.errors import (
+    ConfigError,
+    DiskError,
+    config_error_in,
+    explain_parser_error,
+    explain_trainer_error,
+    one_line,
+)
 from template.engine.loggers import default_loggers
 from template.engine.predictions import PredictionWriter
+from template.engine.preemption import Preemption
 from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
+from template.engine.run import RunConfigCallback, RunOptions, continue_run, periodic_checkpoint
 from template.engine.scaling import BatchScaling
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 from template.engine.watchdog import HangWatchdog
@@ -58,6 +67,7 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(BatchScaling, "scaling")
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
+        parser.add_class_arguments(RunOptions, "run", instantiate=False)
         parser.set_defaults(
             {
                 "data": {"class_path": "template.data.DigitsDataModule"},
@@ -78,8 +88,10 @@ class CLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
+        run = getattr(self, "_run", None)
         if trainer_config.get("logger") in (None, True):
-            kwargs.setdefault("logger", default_loggers(trainer_config.get("default_root_dir")))
+            name, resume = (run.name, run.resume) if run is not None else (None, False)
+            kwargs.setdefault("logger", default_loggers(trainer_config.get("default_root_dir"), name, resume))
         if trainer_config.get("plugins") is None:
             # Checkpoints are written atomically beside their target and loaded weights-only.
             kwargs.setdefault("plugins", [AtomicCheckpointIO()])
@@ -91,6 +103,8 @@ class CLI(LightningCLI):
             # Lightning's default bar redraws after every step, which costs more than a small model's step here;
             # every 10th is as readable. A progress bar in trainer.callbacks replaces this one.
             kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=10)])
+        if self.subcommand == "fit":
+            kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), Preemption(), *periodic_checkpoint(run)]
         try:
             # Before Lightning's own accelerator checks, whose messages cannot point to the CPU alternative.
             check_dp_trainer_config(trainer_config)
@@ -133,6 +147,10 @@ class CLI(LightningCLI):
             root = config.get("trainer.default_root_dir") or "."
             config["ckpt_path"] = ckpt_path = find_last_checkpoint(root, config.get("checkpoint.dirpath"))
             rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
+        if subcommand == "fit":
+            # The run's folder, and its newest checkpoint when the same command is started again.
+            self._run = continue_run(config)
+            config["ckpt_path"] = ckpt_path = self._run.ckpt_path
         if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS:
             _check_checkpoint_file(ckpt_path)
         super()._parse_ckpt_path()
@@ -214,6 +232,8 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # Evaluating a checkpoint logs into a new version folder; Lightning warns that the old folder is not reused.
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    # torchdata's StatefulDataLoader calls a torch API that torch deprecated; nothing for the user to change.
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
     argv = sys.argv[1:] if args is None else list(args)
     try:
         if argv[:1] == ["export"]:
@@ -229,8 +249,13 @@ def main(args: list[str] | None = None) -> None:
             seed_everything_default=1234,
             # Random states travel in every checkpoint so that a resumed run continues exactly.
             trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
+            # A restart of the same run keeps its config.yaml instead of refusing to start.
+            save_config_callback=RunConfigCallback,
             args=args,
         )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except DiskError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)

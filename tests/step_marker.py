@@ -1,0 +1,25 @@
+"""A callback for tests that stop a run from outside: it reports each finished step in a file and paces the steps."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+
+class StepMarker(Callback):
+    """Writes ``<rank> <global_step>`` to ``path`` after every training step, then sleeps ``delay`` seconds."""
+
+    def __init__(self, path: str, delay: float = 0.0) -> None:
+        self.path = path
+        self.delay = delay
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.is_global_zero:
+            tmp = f"{self.path}.{os.getpid()}"
+            Path(tmp).write_text(f"{trainer.global_step} {time.time()}\n")
+            os.replace(tmp, self.path)
+        time.sleep(self.delay)
