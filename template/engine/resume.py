@@ -78,12 +78,13 @@ class RNGStateCheckpoint(Callback):
         # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
         # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
         stateful = bool(loaders) and all(_is_stateful(loader) for loader in loaders)
-        if stateful:
-            self._pending_samplers = None
-            if trainer.fit_loop.restarted_mid_epoch and self._restored is not None:
-                # Restarting the loader's iterator drew its seeds from the global generators, which the
-                # uninterrupted run did at the start of the epoch, before the checkpoint: restore them again.
-                _restore(self._restored)
+        if stateful and self._restored is not None:
+            # Lightning's restored iterator drew seeds from the global generators, which the uninterrupted run did
+            # before the checkpoint (mid-epoch) or does when the next epoch's iterator starts: restore them again.
+            _restore(self._restored)
+            if trainer.fit_loop.restarted_mid_epoch:
+                # Lightning put the loader back at its place in the epoch, sampler generator included.
+                self._pending_samplers = None
         self._restored = None
         if self._pending_samplers is not None:
             generators = _sampler_generators(loaders)
