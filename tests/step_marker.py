@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 
 class StepMarker(Callback):
-    """Writes ``<rank> <global_step>`` to ``path`` after every training step, then sleeps ``delay`` seconds."""
+    """Appends ``<global_step> <time>`` to ``path`` after every training step (rank 0), then sleeps ``delay`` s."""
 
     def __init__(self, path: str, delay: float = 0.0) -> None:
         self.path = path
@@ -19,7 +18,6 @@ class StepMarker(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.is_global_zero:
-            tmp = f"{self.path}.{os.getpid()}"
-            Path(tmp).write_text(f"{trainer.global_step} {time.time()}\n")
-            os.replace(tmp, self.path)
+            with Path(self.path).open("a") as f:
+                f.write(f"{trainer.global_step} {time.time()}\n")
         time.sleep(self.delay)

@@ -2,6 +2,7 @@
 scripts/slurm.sbatch with the environment srun gives its tasks. CPU processes over gloo, loopback only."""
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -219,6 +220,8 @@ def test_launcher_and_config_disagreeing_is_one_line(job, tmp_path):
         (["--master_port=", "fit"], "error: --master_port needs a value"),
         (["fit", "--master_port"], None),  # after the command, options belong to the command: no error here
         (["--master-port"], "error: --master-port needs a value"),
+        (["--max-restarts=x", "fit"], "error: max_restarts must be a whole number, got 'x'"),
+        (["--run_id=../x", "fit"], "error: run_id '../x' may hold only letters, digits"),
     ],
 )
 def test_torchrun_script_refuses_bad_settings(args, message):
@@ -228,7 +231,8 @@ def test_torchrun_script_refuses_bad_settings(args, message):
     )  # fmt: skip
     if message is None:  # PYTHON=echo prints the command the script would run
         assert result.returncode == 0, result.stderr
-        assert result.stdout.split() == [
+        words = result.stdout.split()
+        assert words[:8] + words[9:] == [
             "-m",
             "torch.distributed.run",
             "--nnodes=1",
@@ -236,11 +240,14 @@ def test_torchrun_script_refuses_bad_settings(args, message):
             "--node_rank=0",
             "--master_addr=127.0.0.1",
             "--master_port=29500",
+            "--max_restarts=0",
             "-m",
             PACKAGE,
             "fit",
             "--master_port",
         ]
+        # One node without RUN_ID: an id of its own, so that torchrun's restarts continue the same run folder.
+        assert re.fullmatch(r"--rdzv_id=\d{8}-\d{6}-\d+", words[8]), words[8]
     else:
         assert result.returncode == 2 and result.stderr.startswith(message), result.stderr
 
