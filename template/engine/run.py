@@ -133,10 +133,15 @@ class RunConfigCallback(SaveConfigCallback):
             return
         if trainer.is_global_zero:
             text = self.parser.dump(self.config, skip_none=False)
-            if first.read_text() != text:
+            if _without_ckpt_path(first.read_text()) != _without_ckpt_path(text):
                 # The first config stays as it was; each differing restart adds config.restart-<n>.yaml.
                 n = 1
                 while (Path(log_dir) / f"config.restart-{n}.yaml").exists():
                     n += 1
                 (Path(log_dir) / f"config.restart-{n}.yaml").write_text(text)
         self.already_saved = trainer.strategy.broadcast(True)
+
+
+def _without_ckpt_path(text: str) -> str:
+    # The checkpoint a restart resumes from is chosen by the run, not configured: it does not make the config differ.
+    return "\n".join(line for line in text.splitlines() if not line.startswith("ckpt_path:"))
