@@ -28,7 +28,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             atomic_torch_save(checkpoint, path)
         except OSError as err:
             # The temporary is gone and the previous file untouched (atomic_write): say so in one line.
-            error = disk_error(err, path, kept="the previous checkpoint there is intact")
+            error = disk_error(err, path, kept="any previous checkpoint there is intact")
             if error is None:
                 raise
             raise error from None

@@ -114,6 +114,7 @@ def disk_error(err: OSError, path: str | os.PathLike, kept: str) -> DiskError | 
         return None
     reason = err.strerror or os.strerror(err.errno)
     return DiskError(
-        f"cannot write {path}: {reason} [Errno {err.errno}]; free space there or set --trainer.default_root_dir to "
+        f"cannot write {os.path.normpath(path)}: {reason} [Errno {err.errno}]; free space there or set "
+        "--trainer.default_root_dir to "
         f"another disk, then run the same command again ({kept})"
     )
