@@ -121,10 +121,10 @@ def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def check_single_run(tmp_path: Path, output: str, cluster: str) -> None:
+def check_single_run(tmp_path: Path, output: str, cluster: str, folder: str = "version_0") -> None:
     """One run folder with one set of checkpoints, a sound shared data_dir, and a world of 2 processes on 2 nodes."""
     runs = list((tmp_path / "lightning_logs").iterdir())
-    assert [run.name for run in runs] == ["version_0"], output[-3000:]
+    assert [run.name for run in runs] == [folder], output[-3000:]
     names = sorted(path.name for path in (runs[0] / "checkpoints").iterdir())
     assert len(names) == 2 and names[0].startswith("best-") and names[1] == "last.ckpt", names
     ckpt = torch.load(runs[0] / "checkpoints" / "last.ckpt", weights_only=True)
@@ -195,7 +195,8 @@ def test_slurm_job_with_srun_environment_trains(job, tmp_path):
     job.start("job", ["bash", str(SCRIPTS / "slurm.sbatch"), *TRAIN, *data], env)
     codes, output, seconds = job.wait(TIMEOUT)
     assert codes == [0], output[-4000:]
-    check_single_run(tmp_path, output, "SLURMEnvironment")
+    # A SLURM batch job's run folder is named after the job: its requeued restarts continue there.
+    check_single_run(tmp_path, output, "SLURMEnvironment", folder="slurm-4242")
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
     report("SLURM (srun environment), 2 nodes x 1 task", seconds)
 
