@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgre
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from template.engine import stateful_data  # noqa: F401 - the import lets Lightning split StatefulDataLoaders
 from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.elastic import join_restarted_group
 from template.engine.errors import (
@@ -31,7 +32,6 @@ from template.engine.preemption import Preemption
 from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
 from template.engine.run import RunConfigCallback, RunOptions, continue_run, periodic_checkpoint
 from template.engine.scaling import BatchScaling
-from template.engine.stateful_data import RandomSampler as _StatefulRandomSampler  # noqa: F401 - the import adjusts torchdata
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 from template.engine.watchdog import HangWatchdog
 from template.model import Classifier
@@ -160,6 +160,7 @@ class CLI(LightningCLI):
     def before_fit(self) -> None:
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.
+        # Also before Lightning's process group: a torchrun restart needs one apart from the failed attempt's.
         join_restarted_group(self.trainer)
         for callback in self.trainer.callbacks:
             if isinstance(callback, BatchScaling):
