@@ -7,6 +7,10 @@
 #   --node_rank R         NODE_RANK        this node's rank, 0 .. N-1 (default 0)
 #   --master_addr A       MASTER_ADDR      address of node 0, reachable from every node (default 127.0.0.1)
 #   --master_port P       MASTER_PORT      a free TCP port on node 0 (default 29500)
+#   --max_restarts K      MAX_RESTARTS     restart the workers up to K times when one fails (default 0)
+#   --run_id ID           RUN_ID           the run's id, the same on every node: its folder is
+#                                          lightning_logs/torchrun-ID/ and a restart continues from its newest
+#                                          checkpoint (default: SLURM_JOB_ID, else a new id on one node, else none)
 #
 # Dashes work too (--nproc-per-node), as do --flag=value and --flag value. Everything after these flags (or
 # after `--`) goes to `python -m template`, for example on node 1 of 2, with node 0 at 10.0.0.1:
@@ -23,6 +27,8 @@ nproc_per_node=${NPROC_PER_NODE:-1}
 node_rank=${NODE_RANK:-0}
 master_addr=${MASTER_ADDR:-127.0.0.1}
 master_port=${MASTER_PORT:-29500}
+max_restarts=${MAX_RESTARTS:-0}
+run_id=${RUN_ID:-${SLURM_JOB_ID:-}}
 
 usage() {
     sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
@@ -38,7 +44,8 @@ while (($#)); do
     flag=${1%%=*}
     case $flag in
     --nnodes | --nproc_per_node | --nproc-per-node | --node_rank | --node-rank | \
-        --master_addr | --master-addr | --master_port | --master-port)
+        --master_addr | --master-addr | --master_port | --master-port | --max_restarts | --max-restarts | \
+        --run_id | --run-id)
         if [[ $1 == *=* ]]; then
             value=${1#*=}
             shift
@@ -54,6 +61,8 @@ while (($#)); do
         --node_rank | --node-rank) node_rank=$value ;;
         --master_addr | --master-addr) master_addr=$value ;;
         --master_port | --master-port) master_port=$value ;;
+        --max_restarts | --max-restarts) max_restarts=$value ;;
+        --run_id | --run-id) run_id=$value ;;
         esac
         ;;
     -h | --help) usage 0 ;;
@@ -65,7 +74,7 @@ while (($#)); do
     esac
 done
 
-for name in nnodes nproc_per_node node_rank master_port; do
+for name in nnodes nproc_per_node node_rank master_port max_restarts; do
     if ! [[ ${!name} =~ ^[0-9]+$ ]]; then
         echo "error: $name must be a whole number, got '${!name}'; see scripts/torchrun.sh --help" >&2
         exit 2
@@ -76,11 +85,23 @@ if ((node_rank >= nnodes)); then
     exit 2
 fi
 
-# torch.distributed.run is torchrun, taken from the same interpreter as the training code.
+if [[ -z $run_id && $nnodes == 1 ]]; then
+    # One node: an id of its own, so that torchrun's restarts of this launch continue the same run folder.
+    run_id="$(date -u +%Y%m%d-%H%M%S)-$$"
+fi
+if [[ -n $run_id && ! $run_id =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]]; then
+    echo "error: run_id '$run_id' may hold only letters, digits, '.', '_' and '-'; see scripts/torchrun.sh --help" >&2
+    exit 2
+fi
+
+# torch.distributed.run is torchrun, taken from the same interpreter as the training code. The run id reaches the
+# workers as TORCHELASTIC_RUN_ID, which names the run folder; without one ("none") each launch gets a new folder.
 exec "${PYTHON:-python}" -m torch.distributed.run \
     --nnodes="$nnodes" \
     --nproc_per_node="$nproc_per_node" \
     --node_rank="$node_rank" \
     --master_addr="$master_addr" \
     --master_port="$master_port" \
+    --max_restarts="$max_restarts" \
+    --rdzv_id="${run_id:-none}" \
     -m "$PACKAGE" "$@"

@@ -13,6 +13,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from template.engine.atomic import atomic_torch_save
 from template.engine.errors import ConfigError
@@ -120,7 +121,9 @@ class DigitsDataModule(LightningDataModule):
         self.splits = {name: BatchedTensorDataset(images[idx], labels[idx]) for name, idx in parts.items()}
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        return DataLoader(
+        # A DataLoader that checkpoints where it is in the epoch: Lightning saves and restores its state, so a run
+        # resumed mid-epoch reads exactly the batches it had not read yet.
+        return StatefulDataLoader(
             self.splits[split],
             batch_size=self.batch_size,
             shuffle=shuffle,

@@ -2,6 +2,7 @@
 scripts/slurm.sbatch with the environment srun gives its tasks. CPU processes over gloo, loopback only."""
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -120,10 +121,10 @@ def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def check_single_run(tmp_path: Path, output: str, cluster: str) -> None:
+def check_single_run(tmp_path: Path, output: str, cluster: str, folder: str = "version_0") -> None:
     """One run folder with one set of checkpoints, a sound shared data_dir, and a world of 2 processes on 2 nodes."""
     runs = list((tmp_path / "lightning_logs").iterdir())
-    assert [run.name for run in runs] == ["version_0"], output[-3000:]
+    assert [run.name for run in runs] == [folder], output[-3000:]
     names = sorted(path.name for path in (runs[0] / "checkpoints").iterdir())
     assert len(names) == 2 and names[0].startswith("best-") and names[1] == "last.ckpt", names
     ckpt = torch.load(runs[0] / "checkpoints" / "last.ckpt", weights_only=True)
@@ -194,7 +195,8 @@ def test_slurm_job_with_srun_environment_trains(job, tmp_path):
     job.start("job", ["bash", str(SCRIPTS / "slurm.sbatch"), *TRAIN, *data], env)
     codes, output, seconds = job.wait(TIMEOUT)
     assert codes == [0], output[-4000:]
-    check_single_run(tmp_path, output, "SLURMEnvironment")
+    # A SLURM batch job's run folder is named after the job: its requeued restarts continue there.
+    check_single_run(tmp_path, output, "SLURMEnvironment", folder="slurm-4242")
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
     report("SLURM (srun environment), 2 nodes x 1 task", seconds)
 
@@ -219,6 +221,8 @@ def test_launcher_and_config_disagreeing_is_one_line(job, tmp_path):
         (["--master_port=", "fit"], "error: --master_port needs a value"),
         (["fit", "--master_port"], None),  # after the command, options belong to the command: no error here
         (["--master-port"], "error: --master-port needs a value"),
+        (["--max-restarts=x", "fit"], "error: max_restarts must be a whole number, got 'x'"),
+        (["--run_id=../x", "fit"], "error: run_id '../x' may hold only letters, digits"),
     ],
 )
 def test_torchrun_script_refuses_bad_settings(args, message):
@@ -228,7 +232,8 @@ def test_torchrun_script_refuses_bad_settings(args, message):
     )  # fmt: skip
     if message is None:  # PYTHON=echo prints the command the script would run
         assert result.returncode == 0, result.stderr
-        assert result.stdout.split() == [
+        words = result.stdout.split()
+        assert words[:8] + words[9:] == [
             "-m",
             "torch.distributed.run",
             "--nnodes=1",
@@ -236,11 +241,14 @@ def test_torchrun_script_refuses_bad_settings(args, message):
             "--node_rank=0",
             "--master_addr=127.0.0.1",
             "--master_port=29500",
+            "--max_restarts=0",
             "-m",
             PACKAGE,
             "fit",
             "--master_port",
         ]
+        # One node without RUN_ID: an id of its own, so that torchrun's restarts continue the same run folder.
+        assert re.fullmatch(r"--rdzv_id=\d{8}-\d{6}-\d+", words[8]), words[8]
     else:
         assert result.returncode == 2 and result.stderr.startswith(message), result.stderr
 

@@ -89,10 +89,42 @@ def test_resume_at_epoch_boundary_is_bit_exact(straight: Path, tmp_path: Path, r
     assert _max_difference(reference, _last(control)) > 0
 
 
-def test_mid_epoch_resume_warns_what_repeats(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+def test_mid_epoch_resume_is_bit_exact(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    # The example data's StatefulDataLoader saves its place in the epoch: the rest of epoch 0 reads exactly the
+    # batches the uninterrupted run read after step 3.
     shutil.copy(straight / "mid" / "step=3.ckpt", tmp_path / "mid.ckpt")
+    resumed = run_cli(*FAST, "--trainer.max_epochs=2", "--ckpt_path", "mid.ckpt", env=cli_env(PYTHONWARNINGS="default"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming in the middle of epoch" not in resumed.stderr
+    difference = _max_difference(_last(straight), _last(tmp_path))
+    print(f"\nmax parameter/optimizer-state difference after resuming mid-epoch (step 3 of 8): {difference}")
+    assert difference == 0.0
+
+
+# A user's DataModule with a plain DataLoader, which cannot be put back at its place in an epoch.
+PLAIN_DATA = f"""
+from torch.utils.data import DataLoader
+
+from {PACKAGE}.data import DigitsDataModule, collate_batch
+
+
+class PlainDigits(DigitsDataModule):
+    def train_dataloader(self):
+        return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True, collate_fn=collate_batch)
+"""
+
+
+def test_mid_epoch_resume_of_a_plain_dataloader_warns_what_repeats(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    (tmp_path / "plain_data.py").write_text(PLAIN_DATA)
+    # The same step-3 checkpoint as a plain-DataLoader run writes it: without a loader state.
+    checkpoint = torch.load(straight / "mid" / "step=3.ckpt", weights_only=True)
+    del checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    torch.save(checkpoint, tmp_path / "mid.ckpt")
     # cli_env() silences Python warnings; this test is about one.
-    resumed = run_cli(*FAST, "--trainer.max_epochs=1", "--ckpt_path", "mid.ckpt", env=cli_env(PYTHONWARNINGS="default"))
+    env = cli_env(PYTHONWARNINGS="default", PYTHONPATH=str(tmp_path))
+    resumed = run_cli(
+        *FAST, "--data.class_path=plain_data.PlainDigits", "--trainer.max_epochs=1", "--ckpt_path", "mid.ckpt", env=env
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     text = " ".join(resumed.stderr.split())
     assert "Resuming in the middle of epoch 0 (after 3 of 8 batches)" in text

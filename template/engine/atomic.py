@@ -32,7 +32,14 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     fd, tmp = _open_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recorder = _WriteErrors(f)
+            try:
+                write(recorder)  # type: ignore[arg-type]
+            except Exception as err:
+                # torch.save's zip writer turns a failed write (ENOSPC...) into a RuntimeError about positions.
+                if recorder.error is not None and recorder.error is not err:
+                    raise recorder.error from err
+                raise
             f.flush()
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
@@ -46,6 +53,24 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_directory(directory)
+
+
+class _WriteErrors:
+    """A file's ``write`` that remembers the OSError it raised, for callers that replace it with their own error."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._f, name)
 
 
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:

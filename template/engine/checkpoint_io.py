@@ -11,6 +11,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from template.engine.atomic import atomic_torch_save
+from template.engine.errors import disk_error
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -22,8 +23,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             # Remote stores (s3://, gs://...) have their own atomic uploads; Lightning's path handles them.
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(checkpoint, path)
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(checkpoint, path)
+        except OSError as err:
+            # The temporary is gone and the previous file untouched (atomic_write): say so in one line.
+            error = disk_error(err, path, kept="any previous checkpoint there is intact")
+            if error is None:
+                raise
+            raise error from None
 
     def load_checkpoint(
         self,

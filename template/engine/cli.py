@@ -16,14 +16,25 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgre
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 from lightning.pytorch.utilities import rank_zero_info
 
+from template.engine import stateful_data  # noqa: F401 - the import lets Lightning split StatefulDataLoaders
 from template.engine.cadence import LogCadence
 from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.compile import CompileNetwork
-from template.engine.errors import ConfigError, config_error_in, explain_parser_error, explain_trainer_error, one_line
+from template.engine.elastic import join_restarted_group
+from template.engine.errors import (
+    ConfigError,
+    DiskError,
+    config_error_in,
+    explain_parser_error,
+    explain_trainer_error,
+    one_line,
+)
 from template.engine.gpus import add_gpu_arguments, apply_matmul_precision, resolve_free_devices
 from template.engine.loggers import default_loggers
 from template.engine.predictions import PredictionWriter
+from template.engine.preemption import Preemption
 from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
+from template.engine.run import RunConfigCallback, RunOptions, continue_run, periodic_checkpoint
 from template.engine.scaling import BatchScaling
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 from template.engine.watchdog import HangWatchdog
@@ -64,6 +75,7 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(LogCadence, "log_cadence")
         parser.add_lightning_class_args(CompileNetwork, "compile")
         add_gpu_arguments(parser)
+        parser.add_class_arguments(RunOptions, "run", instantiate=False)
         parser.set_defaults(
             {
                 # The example; any LightningModule and LightningDataModule replace them by class_path.
@@ -101,8 +113,10 @@ class CLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
+        run = getattr(self, "_run", None)
         if trainer_config.get("logger") in (None, True):
-            kwargs.setdefault("logger", default_loggers(trainer_config.get("default_root_dir")))
+            name, resume = (run.name, run.resume) if run is not None else (None, False)
+            kwargs.setdefault("logger", default_loggers(trainer_config.get("default_root_dir"), name, resume))
         if trainer_config.get("plugins") is None:
             # Checkpoints are written atomically beside their target and loaded weights-only.
             kwargs.setdefault("plugins", [AtomicCheckpointIO()])
@@ -114,6 +128,8 @@ class CLI(LightningCLI):
             # Lightning's default bar redraws after every step, which costs more than a small model's step here;
             # every 10th is as readable. A progress bar in trainer.callbacks replaces this one.
             kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=10)])
+        if self.subcommand == "fit":
+            kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), Preemption(), *periodic_checkpoint(run)]
         try:
             # `devices: free:N` becomes a list of GPU indices before anything reads it (here, dp's checks, Lightning).
             resolve_free_devices(trainer_config)
@@ -159,6 +175,10 @@ class CLI(LightningCLI):
             root = config.get("trainer.default_root_dir") or "."
             config["ckpt_path"] = ckpt_path = find_last_checkpoint(root, config.get("checkpoint.dirpath"))
             rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
+        if subcommand == "fit":
+            # The run's folder, and its newest checkpoint when the same command is started again.
+            self._run = continue_run(config)
+            config["ckpt_path"] = ckpt_path = self._run.ckpt_path
         if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS:
             _check_checkpoint_file(ckpt_path)
         super()._parse_ckpt_path()
@@ -166,6 +186,8 @@ class CLI(LightningCLI):
     def before_fit(self) -> None:
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.
+        # Also before Lightning's process group: a torchrun restart needs one apart from the failed attempt's.
+        join_restarted_group(self.trainer)
         for callback in self.trainer.callbacks:
             if isinstance(callback, BatchScaling):
                 callback.apply_batch_size(self.trainer, self.datamodule)
@@ -262,6 +284,8 @@ def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[C
         seed_everything_default=1234,
         # Random states travel in every checkpoint so that a resumed run continues exactly.
         trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
+        # A restart of the same run keeps its config.yaml instead of refusing to start.
+        save_config_callback=RunConfigCallback,
         args=args,
         run=run,
     )
@@ -273,6 +297,8 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # Evaluating a checkpoint logs into a new version folder; Lightning warns that the old folder is not reused.
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    # torchdata's StatefulDataLoader calls a torch API that torch deprecated; nothing for the user to change.
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
     argv = sys.argv[1:] if args is None else list(args)
     try:
         if argv[:1] == ["export"]:
@@ -285,3 +311,6 @@ def main(args: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except DiskError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)

@@ -3,6 +3,7 @@ library messages (jsonargparse, Lightning) into a line that names the bad value 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
@@ -97,3 +98,23 @@ def config_error_in(err: BaseException) -> ConfigError | None:
         err = err.__cause__ or err.__context__
     newest = ConfigError.newest
     return newest if newest is not None and str(newest) and str(newest) in text else None
+
+
+class DiskError(Exception):
+    """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix."""
+
+
+# The failures a user fixes on the filesystem rather than in the code or the config.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def disk_error(err: OSError, path: str | os.PathLike, kept: str) -> DiskError | None:
+    """A one-line DiskError for ``err`` while writing ``path`` (``kept``: what is still intact), or None."""
+    if err.errno not in _DISK_ERRNOS:
+        return None
+    reason = err.strerror or os.strerror(err.errno)
+    return DiskError(
+        f"cannot write {os.path.normpath(path)}: {reason} [Errno {err.errno}]; free space there or set "
+        "--trainer.default_root_dir to "
+        f"another disk, then run the same command again ({kept})"
+    )

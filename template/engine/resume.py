@@ -33,6 +33,7 @@ class RNGStateCheckpoint(Callback):
         self._trainer: Trainer | None = None
         self._pending_samplers: list[torch.Tensor | None] | None = None
         self._batches_done: int | None = None
+        self._restored: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -63,6 +64,7 @@ class RNGStateCheckpoint(Callback):
             return
         state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
         _restore(state)
+        self._restored = state
         self._pending_samplers = state["samplers"]
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -72,8 +74,20 @@ class RNGStateCheckpoint(Callback):
         self._batches_done = progress.get("current", {}).get("processed")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loaders = self._train_loaders()
+        # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
+        # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
+        stateful = bool(loaders) and all(_is_stateful(loader) for loader in loaders)
+        if stateful and self._restored is not None:
+            # Lightning's restored iterator drew seeds from the global generators, which the uninterrupted run did
+            # before the checkpoint (mid-epoch) or does when the next epoch's iterator starts: restore them again.
+            _restore(self._restored)
+            if trainer.fit_loop.restarted_mid_epoch:
+                # Lightning put the loader back at its place in the epoch, sampler generator included.
+                self._pending_samplers = None
+        self._restored = None
         if self._pending_samplers is not None:
-            generators = _sampler_generators(self._train_loaders())
+            generators = _sampler_generators(loaders)
             restored = False
             for generator, saved in zip(generators, self._pending_samplers, strict=False):
                 if generator is not None and saved is not None:
@@ -85,7 +99,7 @@ class RNGStateCheckpoint(Callback):
                 # Lightning built the epoch's iterator before this hook, drawing from the generator's old state;
                 # a new one draws from the restored state, as the uninterrupted run did.
                 iter(fetcher)
-        if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None:
+        if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not stateful:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
                 f"Resuming in the middle of epoch {trainer.current_epoch} (after {done} of {total} "
@@ -93,7 +107,8 @@ class RNGStateCheckpoint(Callback):
                 f"the remaining {total - done} steps of this epoch read the data from the start of an epoch again "
                 f"(on one process in a new shuffled order): about {done} batches' worth of this epoch's samples are "
                 "seen twice and as many are not seen. Later epochs proceed normally. For an exact resume use a "
-                "checkpoint written at the end of an epoch (last.ckpt is written after each validation)."
+                "checkpoint written at the end of an epoch (last.ckpt is written after each validation), or a "
+                "DataLoader that can save its place (torchdata's StatefulDataLoader, as the example data does)."
             )
 
     def _train_loaders(self) -> list[DataLoader]:
@@ -102,6 +117,10 @@ class RNGStateCheckpoint(Callback):
         loaders: list[DataLoader] = []
         apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
         return loaders
+
+
+def _is_stateful(loader: DataLoader) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | None]:

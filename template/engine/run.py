@@ -1,0 +1,147 @@
+"""One run folder across restarts: the run's name, its newest checkpoint, and its config kept once."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_info
+
+from template.engine.errors import ConfigError
+
+LOGS = "lightning_logs"
+# Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
+_INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class RunOptions:
+    """The ``run`` options: which run folder a ``fit`` belongs to, so that the same command continues it."""
+
+    def __init__(self, name: str | None = None, save_every_n_steps: int | None = None) -> None:
+        """``name``: the run's folder under ``<default_root_dir>/lightning_logs/`` (default: the scheduler's job id).
+
+        ``save_every_n_steps``: also write ``checkpoints/last-step.ckpt`` every N training steps, for restarts after a
+        SIGKILL (torchrun elastic restarts, the OOM killer), which leave no time for a checkpoint on the way out.
+        """
+        self.name = name
+        self.save_every_n_steps = save_every_n_steps
+
+
+def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.environ) -> str | None:
+    """The run's name: the configured one, else the SLURM batch job's or torchrun's run id; None for neither."""
+    if configured is not None:
+        if not _NAME.fullmatch(configured) or configured in (".", ".."):
+            raise ConfigError(
+                f"run.name={configured!r} is not a folder name; use letters, digits, '.', '_' and '-', e.g. "
+                "--run.name=digits-lr3e-4"
+            )
+        return configured
+    job = environ.get("SLURM_JOB_ID")
+    if job and environ.get("SLURM_JOB_NAME") not in _INTERACTIVE_JOB_NAMES:
+        # An array task is its own job for requeueing; its folder follows the array id and task.
+        array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm-{array}_{task}" if array and task else f"slurm-{job}"
+    # torchrun's default rendezvous id is the literal "none": the same for every job, so it names no run.
+    elastic = environ.get("TORCHELASTIC_RUN_ID")
+    if elastic and elastic != "none" and _NAME.fullmatch(elastic):
+        return f"torchrun-{elastic}"
+    return None
+
+
+def run_dir(root: str | os.PathLike | None, name: str) -> Path:
+    """The run's folder: logs, ``config.yaml`` and ``checkpoints/``."""
+    return Path(root or ".") / LOGS / name
+
+
+def newest_checkpoint(directories: list[Path]) -> str | None:
+    """The most recently written ``.ckpt`` in ``directories`` (last.ckpt first on equal times), or None."""
+    candidates = [p for d in directories if d.is_dir() for p in d.glob("*.ckpt") if p.is_file()]
+    if not candidates:
+        return None
+    return str(max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith("last"))))
+
+
+def describe_checkpoint(path: str) -> str:
+    """``epoch E, step S`` of a checkpoint, read without loading its tensors."""
+    checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return f"epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')}"
+
+
+@dataclass
+class Run:
+    """What ``fit`` continues: the run's name and folder, the checkpoint it resumes from, whether it has logs."""
+
+    name: str | None
+    directory: Path | None
+    ckpt_path: str | None
+    resume: bool
+    save_every_n_steps: int | None = None
+
+
+def continue_run(config: Any) -> Run:
+    """Resolve the run of a ``fit`` config and, when no ``ckpt_path`` is given, its newest checkpoint; say which."""
+    name = run_name(config.get("run.name"))
+    ckpt_path = config.get("ckpt_path")
+    every = config.get("run.save_every_n_steps")
+    if every is not None and every < 1:
+        raise ConfigError(f"run.save_every_n_steps={every} must be a number of steps >= 1, or null for none")
+    if name is None:
+        return Run(None, None, ckpt_path, resume=False, save_every_n_steps=every)
+    directory = run_dir(config.get("trainer.default_root_dir"), name)
+    if ckpt_path is None:
+        dirpath = config.get("checkpoint.dirpath")
+        ckpt_path = newest_checkpoint([directory / "checkpoints", *([Path(dirpath)] if dirpath else [])])
+    if ckpt_path is None:
+        rank_zero_info(f"Run {name} ({directory}): no checkpoint yet, starting from the beginning")
+    else:
+        rank_zero_info(f"Run {name} ({directory}): resuming from {ckpt_path} ({describe_checkpoint(ckpt_path)})")
+    return Run(name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every)
+
+
+def periodic_checkpoint(run: Run | None) -> list[ModelCheckpoint]:
+    """A ModelCheckpoint rewriting ``last-step.ckpt`` every ``run.save_every_n_steps`` steps; none when unset."""
+    every = run.save_every_n_steps if run is not None else None
+    if every is None:
+        return []
+    return [
+        ModelCheckpoint(
+            filename="last-step", every_n_train_steps=every, save_top_k=1, monitor=None, enable_version_counter=False
+        )
+    ]
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """Writes ``config.yaml`` on the first start; a restart keeps it, saving a changed config beside it."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        log_dir = trainer.log_dir
+        if self.already_saved or not self.save_to_log_dir or log_dir is None:
+            super().setup(trainer, pl_module, stage)
+            return
+        first = Path(log_dir) / self.config_filename
+        exists = trainer.strategy.broadcast(first.is_file() if trainer.is_global_zero else False)
+        if not exists:
+            super().setup(trainer, pl_module, stage)
+            return
+        if trainer.is_global_zero:
+            text = self.parser.dump(self.config, skip_none=False)
+            if _without_ckpt_path(first.read_text()) != _without_ckpt_path(text):
+                # The first config stays as it was; each differing restart adds config.restart-<n>.yaml.
+                n = 1
+                while (Path(log_dir) / f"config.restart-{n}.yaml").exists():
+                    n += 1
+                (Path(log_dir) / f"config.restart-{n}.yaml").write_text(text)
+        self.already_saved = trainer.strategy.broadcast(True)
+
+
+def _without_ckpt_path(text: str) -> str:
+    # The checkpoint a restart resumes from is chosen by the run, not configured: it does not make the config differ.
+    return "\n".join(line for line in text.splitlines() if not line.startswith("ckpt_path:"))
