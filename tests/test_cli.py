@@ -81,7 +81,7 @@ def test_print_config_round_trip(run_main, run_cli, tmp_path):
     printed = run_main("fit", "--config", CONFIGS / "default.yaml", "--trainer.max_epochs=1", "--print_config")
     assert printed.returncode == 0, printed.stderr
     config = yaml.safe_load(printed.stdout)
-    assert config["model"]["net"]["class_path"].endswith("nets.MLP")
+    assert config["model"]["init_args"]["net"]["class_path"].endswith("nets.MLP")
     assert config["checkpoint"]["monitor"] == "val_acc"
     (tmp_path / "full.yaml").write_text(printed.stdout)
     result = run_cli("fit", "--config", "full.yaml", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1")
