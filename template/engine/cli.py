@@ -14,6 +14,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.engine import stateful_data  # noqa: F401 - the import lets Lightning split StatefulDataLoaders
@@ -76,6 +77,13 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(CompileNetwork, "compile")
         add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
+        parser.add_argument(
+            "--trackers",
+            type=list[Logger] | None,
+            default=None,
+            help="Experiment trackers (Lightning loggers, e.g. configs/mlflow.yaml) logging beside the CSV and "
+            "TensorBoard logs",
+        )
         parser.set_defaults(
             {
                 # The example; any LightningModule and LightningDataModule replace them by class_path.
@@ -114,9 +122,20 @@ class CLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
         run = getattr(self, "_run", None)
-        if trainer_config.get("logger") in (None, True):
+        logger = trainer_config.get("logger")
+        trackers = self._get(self.config_init, "trackers") or []
+        if logger in (None, True):
             name, resume = (run.name, run.resume) if run is not None else (None, False)
-            kwargs.setdefault("logger", default_loggers(trainer_config.get("default_root_dir"), name, resume))
+            # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
+            kwargs.setdefault(
+                "logger", [*default_loggers(trainer_config.get("default_root_dir"), name, resume), *trackers]
+            )
+        elif trackers:
+            if logger is False:
+                raise ConfigError(
+                    "trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them"
+                )
+            kwargs["logger"] = [*(logger if isinstance(logger, list) else [logger]), *trackers]
         if trainer_config.get("plugins") is None:
             # Checkpoints are written atomically beside their target and loaded weights-only.
             kwargs.setdefault("plugins", [AtomicCheckpointIO()])

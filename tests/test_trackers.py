@@ -1,0 +1,81 @@
+"""Experiment trackers from YAML: MLflow (local SQLite store) and Weights & Biases (offline), beside the usual logs."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS, cli_env
+
+SHORT = ("--trainer.max_epochs=2", "--trainer.limit_train_batches=5", "--trainer.limit_val_batches=2")
+SHORT += ("--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false")
+
+
+def _needs(*modules: str, extra: str) -> pytest.MarkDecorator:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(
+        bool(missing), reason=f"{', '.join(missing)} not installed (pip install -e '.[{extra}]')"
+    )
+
+
+def _csv_column(tmp_path: Path, column: str) -> list[str]:
+    rows = csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open())
+    return [row[column] for row in rows if row[column]]
+
+
+@_needs("mlflow", "sqlalchemy", "alembic", extra="mlflow")
+def test_mlflow_config_logs_the_run_to_a_local_store(run_cli, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    result = run_cli("fit", "--config", CONFIGS / "default.yaml", "--config", CONFIGS / "mlflow.yaml", *SHORT)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["net/class_path"].endswith("nets.MLP")  # the hyper-parameters, from the config
+    # The same values as metrics.csv, which the default loggers still write.
+    for column in ("train_loss", "val_acc"):
+        history = client.get_metric_history(run.info.run_id, column)
+        assert [m.value for m in history] == [pytest.approx(float(v)) for v in _csv_column(tmp_path, column)]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 3, 5, 7, 9]
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+@_needs("wandb", extra="wandb")
+def test_wandb_config_logs_offline(run_cli, tmp_path: Path) -> None:
+    # No key and no network: offline mode must not ask for either.
+    env = cli_env(WANDB_API_KEY="", WANDB_SILENT="true", WANDB_DIR=str(tmp_path))
+    result = run_cli("fit", "--config", CONFIGS / "default.yaml", "--config", CONFIGS / "wandb.yaml", *SHORT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    recorded = run_file.read_bytes()  # protobuf records: names and values are stored as plain text
+    assert b"hidden_sizes" in recorded  # the hyper-parameters
+    for column in ("train_loss", "val_acc"):
+        values = _csv_column(tmp_path, column)
+        assert len(values) > 1 and all(value.encode() in recorded for value in values), column
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_trackers_with_logging_switched_off_is_one_line(run_cli) -> None:
+    result = run_cli("fit", "--config", CONFIGS / "default.yaml", "--trainer.logger=false", *_tracker("CSV", "--trackers.save_dir=extra"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: trackers are set but trainer.logger is false")
+
+
+def test_trackers_join_the_default_loggers(run_cli, tmp_path: Path) -> None:
+    result = run_cli("fit", "--config", CONFIGS / "default.yaml", *SHORT, *_tracker("CSV", "--trackers.save_dir=extra"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert {"metrics.csv", "config.yaml", "checkpoints"} <= {p.name for p in run_dir.iterdir()}
+    assert any(run_dir.glob("events.out.tfevents.*"))  # TensorBoard, as without trackers
+    (extra,) = (tmp_path / "extra" / "lightning_logs").glob("version_*/metrics.csv")
+    assert [r["val_acc"] for r in csv.DictReader(extra.open()) if r["val_acc"]] == _csv_column(tmp_path, "val_acc")
+
+
+def _tracker(kind: str, *init_args: str) -> tuple[str, ...]:
+    return (f"--trackers+=lightning.pytorch.loggers.{kind}Logger", *init_args)
