@@ -35,6 +35,19 @@ def _restore_matmul_precision():  # noqa: ANN202
     torch.set_float32_matmul_precision(before)
 
 
+@pytest.fixture(autouse=True)
+def _restore_rank_zero():  # noqa: ANN202
+    """A Trainer built in process under a faked rank (torchrun, SLURM variables) sets the process-wide rank that
+    Lightning's rank-zero-only writes check: loggers of every later test here would stop writing."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    before = getattr(rank_zero_only, "rank", 0)
+    yield
+    leaked = getattr(rank_zero_only, "rank", 0)
+    rank_zero_only.rank = before
+    assert leaked == before, f"the test left Lightning's process-wide rank at {leaked}"
+
+
 @pytest.fixture
 def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run ``python -m <package> *args`` in ``tmp_path`` with a hard timeout; returns the completed process."""

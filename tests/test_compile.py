@@ -36,18 +36,32 @@ def test_compiled_network_trains_and_keeps_plain_checkpoint_keys(tmp_path: Path)
     Classifier(MLP((1, 8, 8), 10), num_classes=10).load_state_dict(checkpoint["state_dict"])
 
 
+def _replica(module: torch.nn.Module) -> torch.nn.Module:
+    """What DataParallel's replicate builds, minus the copy to another GPU: weights as plain tensor attributes."""
+    replica = module._replicate_for_data_parallel()
+    for name, child in module._modules.items():
+        replica._modules[name] = _replica(child)
+    for name, parameter in module._parameters.items():
+        setattr(replica, name, parameter.detach().clone())
+    return replica
+
+
 def test_dp_replicas_run_compiled_code_on_their_own_weights() -> None:
     net = MLP((1, 8, 8), 10, dropout=0.0)
     net.compile()
     x = torch.rand(4, 1, 8, 8)
-    for _ in range(3):  # DataParallel builds new replicas on every step
-        replicas = share_compiled_call(net, [net._replicate_for_data_parallel() for _ in range(2)])
-        with torch.no_grad():
-            replicas[1].layers[-1].bias = torch.nn.Parameter(replicas[1].layers[-1].bias + 1)  # its own weights
+    with torch.no_grad():
+        expected = net(x)
+        for _ in range(3):  # DataParallel builds new replicas on every step
+            replicas = share_compiled_call(net, [_replica(net) for _ in range(2)])
+            replicas[1].layers[-1].bias = replicas[1].layers[-1].bias + 1  # this replica's own weights
             outputs = [replica(x) for replica in replicas]
-            expected = net(x)
-        torch.testing.assert_close(outputs[0], expected)
-        torch.testing.assert_close(outputs[1], expected + 1)  # not the original's weights
+            torch.testing.assert_close(outputs[0], expected)
+            torch.testing.assert_close(outputs[1], expected + 1)  # not the original's weights
+    without = [_replica(net) for _ in range(2)]  # the bug share_compiled_call fixes: every replica runs net's weights
+    without[1].layers[-1].bias = without[1].layers[-1].bias + 1
+    with torch.no_grad():
+        torch.testing.assert_close(without[1](x), expected)
 
 
 def test_compile_names_the_missing_network_attribute() -> None:

@@ -42,6 +42,10 @@ CASES = {
     "zero-batch-size": (["--data.init_args.batch_size=0"], ["batch_size", "got 0", "--data.batch_size=64"]),
     "negative-batch-size": (["--data.init_args.batch_size=-5"], ["batch_size", "got -5", "--data.batch_size=64"]),
     "unknown-net-class-path": (["--model.net=mypkg.nets.Nope"], ["mypkg.nets.Nope", "PYTHONPATH"]),
+    "net-missing-argument": (
+        ["--model.net=torch.nn.Linear"],
+        ["torch.nn.Linear", "in_features", "model.net.init_args"],
+    ),
     "unknown-data-class-path": (["--data=mypkg.data.Nope"], ["mypkg.data.Nope", "PYTHONPATH"]),
     "wrong-value-type": (["--trainer.max_epochs=abc"], ["'abc'", "trainer.max_epochs", "expected int"]),
     "wrong-init-arg-type": (["--data.init_args.batch_size=x"], ["'x'", "data.init_args.batch_size", "expected int"]),

@@ -303,6 +303,10 @@ def run_with_fake_gpus(run_main, nvml, monkeypatch: pytest.MonkeyPatch, caplog: 
     # Lightning's logger does not propagate to the root logger that caplog listens to.
     logging.getLogger("lightning.pytorch").addHandler(caplog.handler)
     monkeypatch.setattr(cli.CLI, "before_fit", _report_instead_of_training)
+    # A Trainer built as DDP rank 1 sets Lightning's process-wide rank: put it back, or later loggers here stay silent.
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
 
     def run(gpu_count: int, *args: str) -> tuple[dict, str]:
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpu_count)

@@ -16,9 +16,7 @@ SHORT += ("--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false"
 
 def _needs(*modules: str, extra: str) -> pytest.MarkDecorator:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    return pytest.mark.skipif(
-        bool(missing), reason=f"{', '.join(missing)} not installed (pip install -e '.[{extra}]')"
-    )
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed (pip install -e '.[{extra}]')")
 
 
 def _csv_column(tmp_path: Path, column: str) -> list[str]:
@@ -62,7 +60,13 @@ def test_wandb_config_logs_offline(run_cli, tmp_path: Path) -> None:
 
 
 def test_trackers_with_logging_switched_off_is_one_line(run_cli) -> None:
-    result = run_cli("fit", "--config", CONFIGS / "default.yaml", "--trainer.logger=false", *_tracker("CSV", "--trackers.save_dir=extra"))
+    result = run_cli(
+        "fit",
+        "--config",
+        CONFIGS / "default.yaml",
+        "--trainer.logger=false",
+        *_tracker("CSV", "--trackers.save_dir=extra"),
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: trackers are set but trainer.logger is false")
 

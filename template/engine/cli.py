@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 import torch
 import yaml
+from jsonargparse._actions import _ActionPrintConfig
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
@@ -40,6 +41,9 @@ from template.engine.scaling import BatchScaling
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 from template.engine.watchdog import HangWatchdog
 
+# The example the command line runs unless a config names another LightningModule or DataModule.
+EXAMPLE = {"model": "template.model.Classifier", "data": "template.data.DigitsDataModule"}
+
 # Lightning resolves these names itself instead of reading a file.
 _SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
 
@@ -63,12 +67,6 @@ class CLI(LightningCLI):
         kwargs.setdefault("allow_abbrev", False)
         return super().init_parser(**kwargs)
 
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        # jsonargparse reports broken YAML without saying which file; name it first.
-        if args is None or isinstance(args, (list, tuple)):
-            _check_yaml_files(sys.argv[1:] if args is None else list(args))
-        super().parse_arguments(parser, args)
-
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(BatchScaling, "scaling")
@@ -87,11 +85,8 @@ class CLI(LightningCLI):
         parser.set_defaults(
             {
                 # The example; any LightningModule and LightningDataModule replace them by class_path.
-                "model": {
-                    "class_path": "template.model.Classifier",
-                    "init_args": {"net": {"class_path": "template.nets.MLP"}},
-                },
-                "data": {"class_path": "template.data.DigitsDataModule"},
+                "model": {"class_path": EXAMPLE["model"], "init_args": {"net": {"class_path": "template.nets.MLP"}}},
+                "data": {"class_path": EXAMPLE["data"]},
                 "checkpoint.monitor": "val_acc",
                 "checkpoint.mode": "max",
                 "checkpoint.save_last": True,
@@ -105,6 +100,26 @@ class CLI(LightningCLI):
                 "data", f"model.init_args.net.init_args.{attribute}", _attribute(attribute), apply_on="instantiate"
             )
         parser.link_arguments("data", "model.init_args.num_classes", _attribute("num_classes"), apply_on="instantiate")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # jsonargparse reports broken YAML without saying which file; name it first.
+        if args is None or isinstance(args, (list, tuple)):
+            _check_yaml_files(sys.argv[1:] if args is None else list(args))
+        with _ActionPrintConfig.skip_print_config():
+            super().parse_arguments(parser, args)
+        # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
+        # DataModule would train with the digits' batch_size): parse again with that class as the default, so it
+        # gets its own signature's defaults and only what the configs set.
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        chosen = {
+            key: {"class_path": path}
+            for key, path in (("model", config.get("model.class_path")), ("data", config.get("data.class_path")))
+            if path is not None and path != EXAMPLE[key]
+        }
+        if chosen or _asks_for_print_config(args):
+            (self._subcommand_parsers[subcommand] if subcommand else parser).set_defaults(chosen)
+            super().parse_arguments(parser, args)
 
     def _add_instantiators(self) -> None:
         super()._add_instantiators()
@@ -247,6 +262,11 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
     if len(names) == 1:
         return True
     return len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
+
+
+def _asks_for_print_config(args: Any) -> bool:
+    argv = sys.argv[1:] if args is None else args
+    return isinstance(argv, list) and any(str(arg).startswith("--print_config") for arg in argv)
 
 
 def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the instantiated data module

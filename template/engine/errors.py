@@ -43,9 +43,15 @@ def explain_parser_error(message: str) -> str:
         r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text
     ):
         return f"invalid value {m.group(4)!r} for '{m.group(1)}.init_args.{m.group(2)}'; {_first_reason(m.group(3))}"
-    if m := re.search(r'Parser key "([^"]+)":.*?Problem with given class_path (\S+): (.*?)( - |$)', text):
+    # A class nested in another (model.net) fails inside its parent's class_path: report the innermost one.
+    if problems := list(re.finditer(r"Problem with given class_path (\S+): ", text)):
+        inner = problems[-1]
+        key = ".".join(re.findall(r'Parser key "([^"]+)":', text[: inner.start()]))
+        reason = text[inner.end() :].split(" - ")[0].strip()
+        if m := re.search(r"the following arguments are required: (.*)", reason):
+            return f"class_path {inner.group(1)} for '{key}' needs {m.group(1)}; set them under {key}.init_args"
         return (
-            f"class_path {m.group(2)} for '{m.group(1)}' cannot be used ({m.group(3).strip()}); check its spelling "
+            f"class_path {inner.group(1)} for '{key}' cannot be used ({reason}); check its spelling "
             "and that its module is importable (on PYTHONPATH)"
         )
     # jsonargparse words the rejected value "Given value type: T, value: V" or "... Given value: V".
