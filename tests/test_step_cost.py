@@ -112,38 +112,66 @@ def test_progress_bar_redraws_every_tenth_step_unless_configured(tmp_path: Path,
     assert isinstance(chosen, RichProgressBar)
 
 
-def _fit_counting_logs(tmp_path: Path, monkeypatch, callbacks: list) -> tuple[list[dict[str, str]], int]:  # noqa: ANN001
+def _fit_counting_logs(tmp_path: Path, monkeypatch, callbacks: list) -> tuple[list[dict[str, str]], int, list[int]]:  # noqa: ANN001
+    """metrics.csv, the number of `self.log("train_loss")` calls, and the batch size of each accuracy update run."""
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.loggers import CSVLogger
+    from torchmetrics.classification import MulticlassAccuracy
 
     from template.model import Classifier
     from template.nets import MLP
 
-    calls = []
-    log = LightningModule.log
+    calls, updates = [], []
+    log, update = LightningModule.log, MulticlassAccuracy.update
 
     def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         calls.append(args[0])
         return log(self, *args, **kwargs)
 
+    def counted_update(self, preds, target):  # noqa: ANN001, ANN202
+        if self.training_metric:
+            updates.append(len(target))
+        return update(self, preds, target)
+
     monkeypatch.setattr(LightningModule, "log", counted)
+    monkeypatch.setattr(MulticlassAccuracy, "update", counted_update)  # before the metrics wrap it
     torch.manual_seed(0)
     trainer = Trainer(
         max_epochs=2, limit_train_batches=7, limit_val_batches=2, log_every_n_steps=3, logger=CSVLogger(tmp_path),
         enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path,
     )  # fmt: skip
-    trainer.fit(Classifier(MLP((1, 8, 8), 10), num_classes=10), DigitsDataModule(data_dir=str(tmp_path)))
-    return _metrics(Path(trainer.logger.log_dir)), calls.count("train_loss")
+    model = Classifier(MLP((1, 8, 8), 10), num_classes=10)
+    for name, metric in model.named_children():
+        metric.training_metric = name == "train_acc"
+    trainer.fit(model, DigitsDataModule(data_dir=str(tmp_path), batch_size=32))
+    monkeypatch.undo()  # the next run counts afresh
+    return _metrics(Path(trainer.logger.log_dir)), calls.count("train_loss"), updates
 
 
-def test_log_cadence_writes_the_same_metrics_with_fewer_step_logs(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def _same_rows(rows: list[dict[str, str]], expected: list[dict[str, str]]) -> None:
+    """Equal rows; float values equal up to float32 summation order (a mean over the epoch's losses)."""
+    assert [r.keys() for r in rows] == [r.keys() for r in expected]
+    for row, want in zip(rows, expected, strict=True):
+        for key, value in want.items():
+            if value and "." in value:
+                assert abs(float(row[key]) - float(value)) <= 1e-6 * abs(float(value)), (key, row, want)
+            else:
+                assert row[key] == value, (key, row, want)
+
+
+def test_log_cadence_writes_the_same_metrics_with_fewer_step_logs_and_metric_updates(
+    tmp_path: Path,
+    monkeypatch,  # noqa: ANN001
+) -> None:
     from template.engine.cadence import LogCadence
 
-    every_step, every_calls = _fit_counting_logs(tmp_path / "every", monkeypatch, [])
-    gated, gated_calls = _fit_counting_logs(tmp_path / "gated", monkeypatch, [LogCadence()])
-    assert gated == every_step  # every row and value of metrics.csv, step and epoch columns alike
+    every_step, every_calls, every_updates = _fit_counting_logs(tmp_path / "every", monkeypatch, [])
+    gated, gated_calls, gated_updates = _fit_counting_logs(tmp_path / "gated", monkeypatch, [LogCadence()])
+    _same_rows(gated, every_step)  # every row and value of metrics.csv, step and epoch columns alike
     assert [int(r["step"]) for r in gated if r["train_loss"]] == [2, 5, 8, 11]
     # 14 training steps: Lightning's log runs on each without the gate, on the 4 that write with it.
     assert (every_calls, gated_calls) == (14, 4)
-    off, off_calls = _fit_counting_logs(tmp_path / "off", monkeypatch, [LogCadence(enabled=False)])
-    assert off == every_step and off_calls == 14
+    # The training accuracy: 7 updates of 32 samples per epoch without the queue, one of 224 at each epoch end with.
+    assert (every_updates, gated_updates) == ([32] * 14, [224, 224])
+    off, off_calls, off_updates = _fit_counting_logs(tmp_path / "off", monkeypatch, [LogCadence(enabled=False)])
+    assert off == every_step and off_calls == 14 and off_updates == every_updates
