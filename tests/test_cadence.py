@@ -8,14 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric, Metric, MetricCollection
+from torchmetrics.audio import SignalNoiseRatio
 from torchmetrics.classification import MulticlassAccuracy, MulticlassPrecision
 
 from template.engine.cadence import LogCadence, _MetricQueue
+from template.engine.errors import ConfigError
 from tests.conftest import CONFIGS
 
 STEPS_PER_EPOCH = 6
@@ -33,6 +36,22 @@ class CountingAccuracy(MulticlassAccuracy):
         super().update(preds, target)
 
 
+class MeanBatchMax(Metric):
+    """A metric of the user's own whose value depends on how the samples are split into updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("batches", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, values: Tensor) -> None:
+        self.total += values.max()
+        self.batches += 1
+
+    def compute(self) -> Tensor:
+        return self.total / self.batches
+
+
 class Probe(LightningModule):
     """Every way a training step commonly feeds torchmetrics, each logged at the epoch end."""
 
@@ -48,6 +67,8 @@ class Probe(LightningModule):
         self.mixed = MulticlassAccuracy(4)  # update() and metric(x, y) by turns
         self.shared = MulticlassAccuracy(4)  # updated in training and validation alike
         self.group = MetricCollection({"a": MulticlassAccuracy(4), "p": MulticlassPrecision(4)})  # compute groups
+        self.batch_max = MeanBatchMax()  # not a per-sample family: updated on every call
+        self.snr = SignalNoiseRatio()  # one 1-D signal per call: joining them would make one longer signal
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -68,6 +89,8 @@ class Probe(LightningModule):
             self.mixed.update(logits, y)
         self.shared.update(logits, y)
         self.group.update(logits, y)
+        self.batch_max.update(x[:, 0])
+        self.snr.update(logits.flatten(), F.one_hot(y, 4).float().flatten())
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
@@ -75,7 +98,7 @@ class Probe(LightningModule):
         self.shared.update(self.net(x), y)
 
     def on_train_epoch_end(self) -> None:
-        for name in ("acc", "loss_mean", "ragged", "weighted", "reset_midway", "mixed"):
+        for name in ("acc", "loss_mean", "ragged", "weighted", "reset_midway", "mixed", "batch_max", "snr"):
             self.log(name, getattr(self, name).compute())
             getattr(self, name).reset()
         self.log_dict(self.group.compute())
@@ -95,12 +118,14 @@ def _loader(seed: int) -> DataLoader:
     return DataLoader(data, batch_size=8)
 
 
-def _fit(root: Path, cadence: LogCadence) -> tuple[list[dict[str, str]], Probe]:
+def _fit(root: Path, cadence: LogCadence, *callbacks: ModelCheckpoint) -> tuple[list[dict[str, str]], Probe]:
     torch.manual_seed(0)
     model = Probe()
+    model.acc.persistent(True)  # its states go into checkpoints
     trainer = Trainer(
-        max_epochs=2, log_every_n_steps=2, logger=CSVLogger(root), callbacks=[cadence], accelerator="cpu",
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        max_epochs=2, log_every_n_steps=2, logger=CSVLogger(root), callbacks=[cadence, *callbacks],
+        accelerator="cpu", enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root,
     )  # fmt: skip
     trainer.fit(model, _loader(1), _loader(2))
     return list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open())), model
@@ -126,6 +151,30 @@ def test_queued_updates_log_what_updates_on_every_call_log(tmp_path: Path) -> No
         if isinstance(metric, Metric):
             assert "forward" not in metric.__dict__ and "reset" not in metric.__dict__
             assert not isinstance(getattr(metric.update, "__self__", None), _MetricQueue)
+
+
+def test_a_checkpoint_holds_the_queued_updates(tmp_path: Path) -> None:
+    """A mid-epoch checkpoint has the metric states of every step so far, as with an update per call."""
+    states = {}
+    for name, cadence in (("every", LogCadence(enabled=False)), ("queued", LogCadence())):
+        every_4 = ModelCheckpoint(tmp_path / name / "ckpt", "{step}", every_n_train_steps=4, save_top_k=-1)
+        _fit(tmp_path / name, cadence, every_4)
+        states[name] = {
+            path.name: {k: v for k, v in torch.load(path)["state_dict"].items() if k.startswith("acc.")}
+            for path in (tmp_path / name / "ckpt").glob("step=*.ckpt")
+        }
+    assert sorted(states["queued"]) == ["step=12.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    assert states["queued"]["step=4.ckpt"]["acc.tp"].sum() > 0  # four steps' updates, not an empty state
+    for file, expected in states["every"].items():
+        assert states["queued"][file].keys() == expected.keys() and expected, file
+        for key, value in expected.items():
+            assert torch.equal(states["queued"][file][key], value), (file, key)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
+def test_a_bad_queue_size_is_refused_with_the_fix(bad: float) -> None:
+    with pytest.raises(ConfigError, match=r"log_cadence\.metric_queue_mib .* got (-1\.0|inf|nan); e\.g\. 16"):
+        LogCadence(metric_queue_mib=bad)
 
 
 def test_the_queue_is_bounded_by_its_size(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ CASES = {
     "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
+    "metric-queue-size": (["--log_cadence.metric_queue_mib=-1"], ["log_cadence.metric_queue_mib", "-1", "e.g. 16"]),
     "logger-save-interval": (
         [
             f"--trainer.logger={PACKAGE}.engine.loggers.CSVLogger",

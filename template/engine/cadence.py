@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +13,13 @@ from torch import Tensor, nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.aggregation import BaseAggregator
 from torchmetrics.wrappers.abstract import WrapperMetric
+
+from template.engine.errors import ConfigError
+
+# Metric families whose inputs hold one sample per row and whose states are sums or concatenations over samples:
+# how the samples are split into updates does not change the value. Others (audio signals, images, text, a user's
+# own Metric) may depend on the batches they are given, so they update on every call.
+_PER_SAMPLE_FAMILIES = ("torchmetrics.classification.", "torchmetrics.regression.", "torchmetrics.aggregation")
 
 
 class LogCadence(Callback):
@@ -24,8 +32,10 @@ class LogCadence(Callback):
     that accumulate over the epoch (``on_epoch=True``) and everything outside training are logged as usual. The
     progress bar and ``trainer.callback_metrics`` then show a step value as of the latest logging step.
 
-    The same holds for torchmetrics objects updated in ``training_step``: each ``update`` costs a few hundred
-    microseconds of Python and, on a GPU, a host-device sync for its input checks. Their calls are queued (the
+    The same holds for torchmetrics' classification, regression and aggregation metrics (and subclasses of them)
+    updated in ``training_step``: each ``update`` costs a few hundred microseconds of Python and, on a GPU, a
+    host-device sync for its input checks. Their inputs hold one sample per row and their states are sums or
+    concatenations over samples, so their calls are queued (the
     arguments detached, not copied) and run as one update over the concatenated batches when the metric is next
     computed, called, reset or saved, at each epoch end, or once ``metric_queue_mib`` of inputs are waiting. Calls
     whose inputs do not concatenate (shapes that differ beyond the batch dimension, non-tensor inputs) run one by
@@ -37,6 +47,11 @@ class LogCadence(Callback):
     """
 
     def __init__(self, enabled: bool = True, metric_queue_mib: float = 16.0) -> None:
+        if not (math.isfinite(metric_queue_mib) and metric_queue_mib >= 0):
+            raise ConfigError(
+                f"log_cadence.metric_queue_mib must be a number of MiB >= 0, got {metric_queue_mib}; "
+                "e.g. 16, or 0 to update metrics on every call"
+            )
         self.enabled = enabled
         self.metric_queue_mib = metric_queue_mib
         self._queues: list[_MetricQueue] = []
@@ -53,9 +68,6 @@ class LogCadence(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush()  # before the module's own epoch-end hook, which may read metric states
-
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._flush()  # a metric's persistent states are in the checkpoint
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         pl_module.__dict__.pop("log", None)
@@ -85,17 +97,23 @@ def _gated(log: Any, trainer: Trainer, pl_module: LightningModule) -> Any:
 
 
 def _training_metrics(module: nn.Module) -> Iterator[Metric]:
-    """The module's metrics whose updates may be queued: not inside a MetricCollection or a wrapper metric.
+    """The module's per-sample metrics, whose updates may be queued: not inside a MetricCollection or a wrapper.
 
     A MetricCollection's compute groups share state between its metrics and a wrapper reads its inner metrics'
     states directly, so neither is descended into; metrics that need gradients are left alone too.
     """
     for child in module.children():
         if isinstance(child, Metric):
-            if not isinstance(child, WrapperMetric) and not child._enable_grad:
+            if _per_sample(child) and not isinstance(child, WrapperMetric) and not child._enable_grad:
                 yield child
         elif not isinstance(child, MetricCollection):
             yield from _training_metrics(child)
+
+
+def _per_sample(metric: Metric) -> bool:
+    # A subclass counts as the torchmetrics class it derives from (torchmetrics.metric.Metric for a metric of its own).
+    family = next(cls.__module__ for cls in type(metric).__mro__ if cls.__module__.startswith("torchmetrics."))
+    return family.startswith(_PER_SAMPLE_FAMILIES)
 
 
 _CANNOT = object()  # a column of arguments that does not concatenate
@@ -111,11 +129,13 @@ class _MetricQueue:
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.bytes = 0
         self.passthrough = False
-        # torchmetrics keeps update and compute as instance attributes (its own wrappers); forward and reset are
-        # methods of the class, shadowed here by instance attributes that close() removes again.
+        # torchmetrics keeps update and compute as instance attributes (its own wrappers); forward, reset and
+        # state_dict are methods of the class, shadowed here by instance attributes that close() removes again.
+        # state_dict, because Lightning takes the module's state_dict before any on_save_checkpoint hook runs.
         self.update, self.compute = metric.update, metric.compute
         metric.update = self._update
         metric.compute = self._before(metric.compute)
+        metric.state_dict = self._before(metric.state_dict)
         metric.forward = self._forward
         metric.reset = self._reset
 
@@ -169,7 +189,7 @@ class _MetricQueue:
         """Run what is queued and give the metric back its own methods."""
         self.flush()
         self.metric.update, self.metric.compute = self.update, self.compute
-        for name in ("forward", "reset"):
+        for name in ("state_dict", "forward", "reset"):
             self.metric.__dict__.pop(name, None)
 
 
