@@ -11,8 +11,9 @@ import torch.distributed as dist
 from conftest import CONFIGS, PACKAGE
 from torch import nn
 
+from template.engine.checkpoints import load
 from template.engine.cli import main
-from template.engine.export import clean_key, extract_state_dict, load_weights, read_checkpoint
+from template.engine.export import clean_key, extract_state_dict, load_weights
 from template.model import Classifier
 from template.nets import MLP
 
@@ -80,7 +81,7 @@ def test_compiled_checkpoints_load(tmp_path: Path) -> None:
 
 def test_map_location(tmp_path: Path) -> None:
     torch.save(_net().state_dict(), tmp_path / "net.pt")
-    meta = extract_state_dict(read_checkpoint(tmp_path / "net.pt", map_location="meta"))
+    meta = extract_state_dict(load(tmp_path / "net.pt", map_location="meta"))
     assert {t.device.type for t in meta.values()} == {"meta"}
     if torch.cuda.is_available():
         net = load_weights(MLP((1, 8, 8), 10).cuda(), tmp_path / "net.pt", map_location="cuda:0")

@@ -16,7 +16,8 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from template.engine.checkpoint_io import AtomicCheckpointIO
-from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
+from template.engine.checkpoints import newest_under
+from template.engine.resume import RNGStateCheckpoint
 
 # Shuffled batches and dropout (the MLP's default 0.1) both draw random numbers: exactly what resume must restore.
 FAST = [
@@ -142,7 +143,7 @@ def test_ckpt_path_last_picks_the_newest_checkpoint(tmp_path: Path) -> None:
     for age, path in enumerate([new / "last.ckpt", new / "best-0.ckpt", old / "last.ckpt"]):
         stamp = 1_700_000_000 - 10 * age
         os.utime(path, (stamp, stamp))
-    assert Path(find_last_checkpoint(tmp_path)) == new / "last.ckpt"
+    assert Path(newest_under(tmp_path)) == new / "last.ckpt"
 
 
 class _Tiny(LightningModule):

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from template.engine.checkpoints import newest
 from template.engine.errors import ConfigError
 from template.engine.loggers import CSVLogger
-from template.engine.run import newest_checkpoint, run_name
+from template.engine.run import run_name
 
 
 @pytest.mark.parametrize(
@@ -36,13 +37,13 @@ def test_a_run_name_that_is_not_a_folder_name_is_one_line(bad: str) -> None:
 
 
 def test_newest_checkpoint_prefers_the_latest_then_last(tmp_path: Path) -> None:
-    assert newest_checkpoint([tmp_path / "missing"]) is None
+    assert newest([tmp_path / "missing"]) is None
     for age, name in enumerate(["interrupted.ckpt", "last.ckpt", "best-0.ckpt", "last-step.ckpt"]):
         (tmp_path / name).write_bytes(b"x")
         os.utime(tmp_path / name, (1_700_000_000 - age, 1_700_000_000 - age))
-    assert newest_checkpoint([tmp_path]) == str(tmp_path / "interrupted.ckpt")
+    assert newest([tmp_path]) == str(tmp_path / "interrupted.ckpt")
     os.utime(tmp_path / "last.ckpt", (1_700_000_000, 1_700_000_000))
-    assert newest_checkpoint([tmp_path]) == str(tmp_path / "last.ckpt")
+    assert newest([tmp_path]) == str(tmp_path / "last.ckpt")
 
 
 def test_resumed_csv_log_keeps_rows_before_the_first_new_step(tmp_path: Path) -> None:

@@ -1,56 +1,78 @@
-"""Command line: LightningCLI with the project's defaults, and mistakes reported in one line."""
+"""Command line: LightningCLI with the project's defaults, and mistakes reported in one line.
+
+What the command line adds to a run is listed, in order, in ``engine/wiring.py``; this module only calls it from
+LightningCLI's documented hooks.
+"""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import logging
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
 import yaml
-from jsonargparse._actions import _ActionPrintConfig
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
-from template.engine import stateful_data  # noqa: F401 - the import lets Lightning split StatefulDataLoaders
+import template
+from template.engine import (
+    checkpoints,
+    internals,
+    stateful_data,  # noqa: F401 - the import lets Lightning split StatefulDataLoaders
+    wiring,
+)
 from template.engine.cadence import LogCadence
-from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
-from template.engine.errors import (
-    ConfigError,
-    DiskError,
-    config_error_in,
-    explain_parser_error,
-    explain_trainer_error,
-    one_line,
-)
-from template.engine.gpus import add_gpu_arguments, apply_matmul_precision, resolve_free_devices
-from template.engine.loggers import default_loggers
+from template.engine.errors import ConfigError, DiskError, config_error_in, explain_parser_error, one_line
+from template.engine.gpus import add_gpu_arguments
 from template.engine.predictions import PredictionWriter
-from template.engine.preemption import Preemption
-from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
-from template.engine.run import RunConfigCallback, RunOptions, continue_run, periodic_checkpoint
+from template.engine.resume import RNGStateCheckpoint
+from template.engine.run import Run, RunConfigCallback, RunOptions, continue_run
 from template.engine.scaling import BatchScaling
-from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
 from template.engine.watchdog import HangWatchdog
 
-# The example the command line runs unless a config names another LightningModule or DataModule.
-EXAMPLE = {"model": "template.model.Classifier", "data": "template.data.DigitsDataModule"}
+PROGRAM = f"python -m {template.__name__}"
 
-# Lightning resolves these names itself instead of reading a file.
-_SPECIAL_CKPT_PATHS = {"best", "last", "hpc", "registry"}
+# The example the command line runs unless a config names another LightningModule or DataModule.
+EXAMPLE = {"model": f"{template.__name__}.model.Classifier", "data": f"{template.__name__}.data.DigitsDataModule"}
+# What the example's best checkpoint is chosen by; a module chosen by class_path names its own (checkpoint.monitor).
+EXAMPLE_MONITOR = {"checkpoint.monitor": "val_acc", "checkpoint.mode": "max"}
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its line in ``--help``, and for one that is not LightningCLI's, ``module:function`` running it."""
+
+    description: str
+    runs: str | None = None
+
+
+# Every subcommand, in the order --help lists them. A plain one (no Trainer) is one entry with `runs`.
+COMMANDS: dict[str, Command] = {
+    "fit": Command("Train; the same command with --run.name continues a run from its newest checkpoint"),
+    "validate": Command("Evaluate a checkpoint (--ckpt_path) on the validation data"),
+    "test": Command("Evaluate a checkpoint (--ckpt_path) on the test data"),
+    "predict": Command("Write the predictions of a checkpoint (--ckpt_path) to a CSV file"),
+    "export": Command(
+        "Write the bare network's weights of a checkpoint, for plain PyTorch", f"{template.__name__}.engine.export:main"
+    ),
+}
 
 
 class ArgumentParser(LightningArgumentParser):
     """Reports a bad option or value as one ``error:`` line instead of usage text."""
 
+    @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)
@@ -59,14 +81,16 @@ class ArgumentParser(LightningArgumentParser):
 
 
 class CLI(LightningCLI):
-    """The project's command line: ``python -m template {fit,validate,test,predict} --config configs/x.yaml``."""
+    """The project's command line: ``python -m <package> {fit,validate,test,predict} --config configs/x.yaml``."""
 
+    @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         self.parser_class = ArgumentParser
         # argparse would otherwise take a misspelt prefix (--trainer.max_epoch) silently as the option it abbreviates.
         kwargs.setdefault("allow_abbrev", False)
         return super().init_parser(**kwargs)
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(BatchScaling, "scaling")
@@ -87,8 +111,6 @@ class CLI(LightningCLI):
                 # The example; any LightningModule and LightningDataModule replace them by class_path.
                 "model": {"class_path": EXAMPLE["model"], "init_args": {"net": {"class_path": "template.nets.MLP"}}},
                 "data": {"class_path": EXAMPLE["data"]},
-                "checkpoint.monitor": "val_acc",
-                "checkpoint.mode": "max",
                 "checkpoint.save_last": True,
                 "checkpoint.auto_insert_metric_name": False,
             }
@@ -101,95 +123,35 @@ class CLI(LightningCLI):
             )
         parser.link_arguments("data", "model.init_args.num_classes", _attribute("num_classes"), apply_on="instantiate")
 
+    @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # jsonargparse reports broken YAML without saying which file; name it first.
         if args is None or isinstance(args, (list, tuple)):
             _check_yaml_files(sys.argv[1:] if args is None else list(args))
-        with _ActionPrintConfig.skip_print_config():
+        print_config = internals.print_config_action()
+        # --print_config prints below, once the configuration is what the run will use.
+        with print_config.skip_print_config():
             super().parse_arguments(parser, args)
-        # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
-        # DataModule would train with the digits' batch_size): parse again with that class as the default, so it
-        # gets its own signature's defaults and only what the configs set.
-        subcommand = self.config.get("subcommand")
-        config = self.config[subcommand] if subcommand else self.config
-        chosen = {
-            key: {"class_path": path}
-            for key, path in (("model", config.get("model.class_path")), ("data", config.get("data.class_path")))
-            if path is not None and path != EXAMPLE[key]
-        }
-        if chosen or _asks_for_print_config(args):
-            (self._subcommand_parsers[subcommand] if subcommand else parser).set_defaults(chosen)
-            super().parse_arguments(parser, args)
+            subcommand = self.config.get("subcommand")
+            chosen = _chosen_classes(self.config[subcommand] if subcommand else self.config)
+            if chosen and subcommand:
+                # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
+                # DataModule would train with the digits' batch_size): with that class as the default it gets its own
+                # signature's defaults and only what the configs set.
+                internals.subcommand_parser(self, subcommand).set_defaults(chosen)
+                super().parse_arguments(parser, args)
+        if subcommand:
+            self.config[subcommand] = settle(self.config[subcommand], subcommand)
+        print_config.print_config_if_requested(parser, self.config)
 
-    def _add_instantiators(self) -> None:
-        super()._add_instantiators()
-        # Lightning's own instantiator records every link in the hyper-parameters, also links jsonargparse did not
-        # apply because a user's module has no such argument, and then fails on a missing `net`.
+    @override
+    def before_instantiate_classes(self) -> None:
+        # Replaces Lightning's model instantiator (registered for the same type just before this hook): Lightning's
+        # records every link in the hyper-parameters, also links jsonargparse did not apply because a user's module
+        # has no such argument, and load_from_checkpoint then fails on a missing `net`.
         self.parser.add_instantiator(_AppliedLinksOnly(cli=self, key="model"), LightningModule, subclasses=True)
 
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        monitor = config.get("checkpoint.monitor")
-        if config.get("checkpoint.filename") is None and monitor:
-            # The best checkpoint's name carries the score it was chosen by, whatever metric a module monitors.
-            config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
-
-    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        trainer_config = self._get(self.config_init, "trainer", default={})
-        run = getattr(self, "_run", None)
-        logger = trainer_config.get("logger")
-        trackers = self._get(self.config_init, "trackers") or []
-        if logger in (None, True):
-            name, resume = (run.name, run.resume) if run is not None else (None, False)
-            # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
-            kwargs.setdefault(
-                "logger", [*default_loggers(trainer_config.get("default_root_dir"), name, resume), *trackers]
-            )
-        elif trackers:
-            if logger is False:
-                raise ConfigError(
-                    "trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them"
-                )
-            kwargs["logger"] = [*(logger if isinstance(logger, list) else [logger]), *trackers]
-        if trainer_config.get("plugins") is None:
-            # Checkpoints are written atomically beside their target and loaded weights-only.
-            kwargs.setdefault("plugins", [AtomicCheckpointIO()])
-        callbacks = trainer_config.get("callbacks") or []
-        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-        if trainer_config.get("enable_progress_bar") is not False and not any(
-            isinstance(c, ProgressBar) for c in callbacks
-        ):
-            # Lightning's default bar redraws after every step, which costs more than a small model's step here;
-            # every 10th is as readable. A progress bar in trainer.callbacks replaces this one.
-            kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=10)])
-        if self.subcommand == "fit":
-            kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), Preemption(), *periodic_checkpoint(run)]
-        try:
-            # `devices: free:N` becomes a list of GPU indices before anything reads it (here, dp's checks, Lightning).
-            resolve_free_devices(trainer_config)
-            # Before Lightning's own accelerator checks, whose messages cannot point to the CPU alternative.
-            check_dp_trainer_config(trainer_config)
-            trainer = super().instantiate_trainer(**kwargs)
-            apply_matmul_precision(self._get(self.config_init, "float32_matmul_precision"), trainer)
-            # Lightning compares devices x num_nodes with what torchrun or SLURM started only inside fit, with a
-            # traceback from every process: compare them here, where the mismatch becomes one line.
-            launcher = getattr(trainer.strategy, "launcher", None)
-            if getattr(launcher, "cluster_environment", None) is not None:
-                launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
-        except (MisconfigurationException, ValueError) as err:
-            raise ConfigError(explain_trainer_error(one_line(err))) from None
-        except TypeError as err:
-            if "devices" not in str(err):
-                raise
-            raise ConfigError(
-                f"trainer.devices={trainer_config.get('devices')!r} is not valid on the CPU: CPU devices are a number "
-                "of processes (>= 1), not indices; set e.g. --trainer.devices=2"
-            ) from None
-        for callback in trainer.callbacks:
-            if isinstance(callback, HangWatchdog):
-                callback.arm(trainer)
-        return trainer
-
+    @override
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -200,23 +162,28 @@ class CLI(LightningCLI):
                 raise
             raise cause from None
 
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads the checkpoint here, at parse time: resolve `last` and check the file before it does.
-        subcommand = self.config.get("subcommand")
-        config = self.config.get(subcommand) if subcommand else None
-        ckpt_path = config.get("ckpt_path") if config is not None else None
-        if ckpt_path == "last":
-            root = config.get("trainer.default_root_dir") or "."
-            config["ckpt_path"] = ckpt_path = find_last_checkpoint(root, config.get("checkpoint.dirpath"))
-            rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
-        if subcommand == "fit":
-            # The run's folder, and its newest checkpoint when the same command is started again.
-            self._run = continue_run(config)
-            config["ckpt_path"] = ckpt_path = self._run.ckpt_path
-        if ckpt_path and ckpt_path not in _SPECIAL_CKPT_PATHS:
-            _check_checkpoint_file(ckpt_path)
-        super()._parse_ckpt_path()
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        subcommand = self.subcommand or ""
+        config = self.config[subcommand] if subcommand else self.config
+        built = self.config_init[subcommand] if subcommand else self.config_init
+        trainer_config = built.get("trainer") or {}
+        run = continue_run(config) if subcommand == "fit" else Run(None, None, None, resume=False)
+        wiring.check_devices(trainer_config)
+        kwargs = {
+            **wiring.loggers(trainer_config, run, built.get("trackers") or []),
+            **wiring.plugins(trainer_config),
+            **wiring.callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor")),
+            **kwargs,
+        }
+        rank_zero_info(wiring.announce(config, subcommand))
+        trainer = wiring.trainer_errors_as_config_errors(
+            lambda: super(CLI, self).instantiate_trainer(**kwargs), trainer_config
+        )
+        wiring.after_trainer(trainer, built.get("float32_matmul_precision"))
+        return trainer
 
+    @override
     def before_fit(self) -> None:
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.
@@ -237,16 +204,53 @@ class CLI(LightningCLI):
         rank_zero_info(f"Predictions: {writer.path(self.trainer)}")
 
     def after_fit(self) -> None:
-        checkpoint = self.trainer.checkpoint_callback
-        # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
-        if checkpoint is not None and checkpoint.best_model_path and checkpoint.best_model_score is not None:
-            rank_zero_info(
-                f"Best checkpoint: {checkpoint.best_model_path} "
-                f"({checkpoint.monitor}={float(checkpoint.best_model_score):.4f})"
-            )
+        line = wiring.best_checkpoint_line(self.trainer.checkpoint_callback)
+        if line is not None:
+            rank_zero_info(line)
 
 
-class _AppliedLinksOnly(_InstantiatorFn):
+def settle(config: Any, subcommand: str) -> Any:
+    """The subcommand's parsed config as the run will use it, checkpoint paths validated before anything reads them.
+
+    Printed by --print_config and saved as config.yaml, so both show what the run uses.
+    """
+    if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
+        for key, value in EXAMPLE_MONITOR.items():
+            config[key] = value
+    monitor = config.get("checkpoint.monitor")
+    if monitor is None and config.get("checkpoint.save_top_k") == 1:
+        # Without a score, a second copy of last.ckpt under another name would be all "top k" keeps.
+        config["checkpoint.save_top_k"] = 0
+    if config.get("checkpoint.filename") is None and monitor:
+        # The best checkpoint's name carries the score it was chosen by, whatever metric a module monitors.
+        config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path == "last":
+        root = config.get("trainer.default_root_dir") or "."
+        config["ckpt_path"] = ckpt_path = checkpoints.newest_under(root, config.get("checkpoint.dirpath"))
+        rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
+    if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
+        # First: LightningCLI reads the file right after this hook, and a named run describes it.
+        checkpoints.check(ckpt_path)
+    if subcommand == "fit":
+        # The run's folder, and its newest checkpoint when the same command is started again.
+        run = continue_run(config)
+        config["ckpt_path"] = run.ckpt_path
+        if (line := run.describe()) is not None:
+            rank_zero_info(line)
+    return config
+
+
+def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
+    """The model and data classes a config names other than the example's, as parser defaults."""
+    return {
+        key: {"class_path": path}
+        for key in ("model", "data")
+        if (path := config.get(f"{key}.class_path")) is not None and path != EXAMPLE[key]
+    }
+
+
+class _AppliedLinksOnly(internals.instantiator_class()):
     """Lightning's model instantiator, recording only the links that reached the model's arguments."""
 
     def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
@@ -264,11 +268,6 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
     return len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
 
 
-def _asks_for_print_config(args: Any) -> bool:
-    argv = sys.argv[1:] if args is None else args
-    return isinstance(argv, list) and any(str(arg).startswith("--print_config") for arg in argv)
-
-
 def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the instantiated data module
     """A link function reading ``name`` from the data module, or None when it has no such attribute."""
 
@@ -277,23 +276,6 @@ def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the inst
         return list(value) if isinstance(value, tuple) else value
 
     return read
-
-
-def _check_checkpoint_file(ckpt_path: str) -> None:
-    """Raise a ConfigError if ``ckpt_path`` is missing, or is not a whole weights-only PyTorch checkpoint."""
-    if not Path(ckpt_path).is_file():
-        raise ConfigError(f"checkpoint '{ckpt_path}' does not exist; pass an existing file to --ckpt_path")
-    try:
-        # mmap reads the archive's index, not the tensors: a cheap check that the file is whole.
-        torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # junk bytes make the unpickler fail in arbitrary ways
-        reason = one_line(err).split(". ")[0][:200]
-        if "mmap can only be used" in reason:
-            reason = "not a PyTorch checkpoint archive"
-        raise ConfigError(
-            f"checkpoint '{ckpt_path}' cannot be loaded ({reason}); it is truncated, corrupt "
-            "or not a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project"
-        ) from None
 
 
 def _check_yaml_files(argv: list[str]) -> None:
@@ -314,7 +296,7 @@ def _check_yaml_files(argv: list[str]) -> None:
 
 
 def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI) -> CLI:
-    """The command line as ``python -m template`` builds it: any LightningModule and DataModule by class_path."""
+    """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path."""
     return cli_class(
         LightningModule,
         LightningDataModule,
@@ -325,26 +307,47 @@ def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[C
         trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
         # A restart of the same run keeps its config.yaml instead of refusing to start.
         save_config_callback=RunConfigCallback,
+        parser_kwargs={
+            "prog": PROGRAM,
+            "description": _plain_commands_help(),
+            **{name: {"description": c.description} for name, c in COMMANDS.items() if c.runs is None},
+        },
         args=args,
         run=run,
     )
 
 
+def _plain_commands_help() -> str | None:
+    plain = {name: c for name, c in COMMANDS.items() if c.runs is not None}
+    if not plain:
+        return None
+    listed = "; ".join(f"{PROGRAM} {name}: {c.description}" for name, c in plain.items())
+    return f"Also: {listed} (see {PROGRAM} <command> --help)."
+
+
+class _NoAdvertisement(logging.Filter):
+    """Drops Lightning's suggestions to install its cloud products; a run's output is about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip: For seamless cloud" not in record.getMessage()
+
+
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``python -m template`` and of the ``template`` console script."""
+    """Entry point of ``python -m <package>`` and of the console script of the same name."""
     # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # Evaluating a checkpoint logs into a new version folder; Lightning warns that the old folder is not reused.
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     # torchdata's StatefulDataLoader calls a torch API that torch deprecated; nothing for the user to change.
     warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdvertisement())
     argv = sys.argv[1:] if args is None else list(args)
     try:
-        if argv[:1] == ["export"]:
+        command = COMMANDS.get(argv[0]) if argv else None
+        if command is not None and command.runs is not None:
             # A plain-PyTorch command: no Trainer, no LightningCLI.
-            from template.engine.export import main as export_main
-
-            export_main(argv[1:])
+            module, function = command.runs.split(":")
+            getattr(importlib.import_module(module), function)(argv[1:])
             return
         build_cli(args)
     except ConfigError as err:

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
+from template.engine import checkpoints
 from template.engine.atomic import atomic_torch_save
 from template.engine.errors import ConfigError
 
@@ -24,19 +24,6 @@ DEFAULT_PREFIX = "net."
 _WRAPPER_PREFIX = "module."  # DataParallel and DistributedDataParallel
 _COMPILED_SEGMENT = "_orig_mod."  # torch.compile, at the top or around a compiled submodule
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model")
-
-
-def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
-    """``torch.load`` with ``weights_only=True``, reporting a missing or unreadable file as a ConfigError."""
-    if not Path(path).is_file():
-        raise ConfigError(f"checkpoint '{path}' does not exist; pass the path of a .ckpt or .pt file")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError... for a bad file
-        reason = " ".join(str(err).split())[:200]
-        raise ConfigError(
-            f"checkpoint '{path}' cannot be loaded weights-only ({reason}); pass a complete checkpoint file"
-        ) from None
 
 
 def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX, source: str = "the file") -> dict[str, Tensor]:
@@ -73,7 +60,7 @@ def load_weights(
     strict: bool = True,
 ) -> nn.Module:
     """Load weights from ``path`` (exported, Lightning, DP/DDP or compiled checkpoint) into the bare ``module``."""
-    state = extract_state_dict(read_checkpoint(path, map_location), prefix, source=f"'{path}'")
+    state = extract_state_dict(checkpoints.load(path, map_location), prefix, source=f"'{path}'")
     module.load_state_dict(state, strict=strict)
     return module
 
@@ -81,7 +68,7 @@ def load_weights(
 def export(checkpoint_path: str | os.PathLike, output: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> Path:
     """Write the plain network ``state_dict`` of ``checkpoint_path`` to ``output`` (atomically); returns ``output``."""
     output = Path(output)
-    state = extract_state_dict(read_checkpoint(checkpoint_path), prefix, source=f"'{checkpoint_path}'")
+    state = extract_state_dict(checkpoints.load(checkpoint_path), prefix, source=f"'{checkpoint_path}'")
     if output.resolve() == Path(checkpoint_path).resolve():
         raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
     output.parent.mkdir(parents=True, exist_ok=True)

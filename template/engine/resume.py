@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import glob
-import os
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,8 +11,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
-
-from template.engine.errors import ConfigError
 
 try:
     import numpy as np
@@ -159,19 +154,3 @@ def _restore(state: dict[str, Any]) -> None:
         np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def find_last_checkpoint(root: str | os.PathLike, dirpath: str | os.PathLike | None = None) -> str:
-    """The most recently written ``.ckpt`` of the runs under ``root`` (``<logger>/<version>/checkpoints/``)."""
-    root = Path(root)
-    patterns = [root / "*" / "*" / "checkpoints", root / "checkpoints"]
-    if dirpath:
-        patterns.append(Path(dirpath))
-    candidates = [p for pattern in patterns for p in glob.glob(str(pattern / "*.ckpt")) if Path(p).is_file()]
-    if not candidates:
-        raise ConfigError(
-            f"--ckpt_path last: no checkpoint found under '{root}' (looked in {root}/<logger>/<version>/checkpoints); "
-            "train first, set --trainer.default_root_dir to the run's root, or pass a checkpoint file"
-        )
-    # On equal times prefer last.ckpt: ModelCheckpoint writes it right after the best-* file of the same step.
-    return max(candidates, key=lambda p: (os.stat(p).st_mtime_ns, Path(p).name.startswith("last")))

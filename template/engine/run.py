@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
-from lightning.pytorch.utilities import rank_zero_info
 
+from template.engine import checkpoints
 from template.engine.errors import ConfigError
 
 LOGS = "lightning_logs"
@@ -25,14 +24,17 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 class RunOptions:
     """The ``run`` options: which run folder a ``fit`` belongs to, so that the same command continues it."""
 
-    def __init__(self, name: str | None = None, save_every_n_steps: int | None = None) -> None:
+    def __init__(self, name: str | None = None, save_every_n_steps: int | None = None, preemption: bool = True) -> None:
         """``name``: the run's folder under ``<default_root_dir>/lightning_logs/`` (default: the scheduler's job id).
 
         ``save_every_n_steps``: also write ``checkpoints/last-step.ckpt`` every N training steps, for restarts after a
         SIGKILL (torchrun elastic restarts, the OOM killer), which leave no time for a checkpoint on the way out.
+
+        ``preemption``: on SIGTERM or SIGUSR1 write ``checkpoints/interrupted.ckpt`` (and requeue a SLURM job).
         """
         self.name = name
         self.save_every_n_steps = save_every_n_steps
+        self.preemption = preemption
 
 
 def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.environ) -> str | None:
@@ -61,20 +63,6 @@ def run_dir(root: str | os.PathLike | None, name: str) -> Path:
     return Path(root or ".") / LOGS / name
 
 
-def newest_checkpoint(directories: list[Path]) -> str | None:
-    """The most recently written ``.ckpt`` in ``directories`` (last.ckpt first on equal times), or None."""
-    candidates = [p for d in directories if d.is_dir() for p in d.glob("*.ckpt") if p.is_file()]
-    if not candidates:
-        return None
-    return str(max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith("last"))))
-
-
-def describe_checkpoint(path: str) -> str:
-    """``epoch E, step S`` of a checkpoint, read without loading its tensors."""
-    checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return f"epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')}"
-
-
 @dataclass
 class Run:
     """What ``fit`` continues: the run's name and folder, the checkpoint it resumes from, whether it has logs."""
@@ -84,26 +72,35 @@ class Run:
     ckpt_path: str | None
     resume: bool
     save_every_n_steps: int | None = None
+    preemption: bool = True
+
+    def describe(self) -> str | None:
+        """The line saying which run this is and where it starts; None for an unnamed run."""
+        if self.name is None:
+            return None
+        if self.ckpt_path is None:
+            return f"Run {self.name} ({self.directory}): no checkpoint yet, starting from the beginning"
+        where = checkpoints.describe(self.ckpt_path)
+        return f"Run {self.name} ({self.directory}): resuming from {self.ckpt_path} ({where})"
 
 
 def continue_run(config: Any) -> Run:
-    """Resolve the run of a ``fit`` config and, when no ``ckpt_path`` is given, its newest checkpoint; say which."""
+    """The run of a ``fit`` config and, when no ``ckpt_path`` is given, its newest checkpoint (validated)."""
     name = run_name(config.get("run.name"))
     ckpt_path = config.get("ckpt_path")
     every = config.get("run.save_every_n_steps")
+    preemption = config.get("run.preemption") is not False
     if every is not None and every < 1:
         raise ConfigError(f"run.save_every_n_steps={every} must be a number of steps >= 1, or null for none")
     if name is None:
-        return Run(None, None, ckpt_path, resume=False, save_every_n_steps=every)
+        return Run(None, None, ckpt_path, resume=False, save_every_n_steps=every, preemption=preemption)
     directory = run_dir(config.get("trainer.default_root_dir"), name)
     if ckpt_path is None:
         dirpath = config.get("checkpoint.dirpath")
-        ckpt_path = newest_checkpoint([directory / "checkpoints", *([Path(dirpath)] if dirpath else [])])
-    if ckpt_path is None:
-        rank_zero_info(f"Run {name} ({directory}): no checkpoint yet, starting from the beginning")
-    else:
-        rank_zero_info(f"Run {name} ({directory}): resuming from {ckpt_path} ({describe_checkpoint(ckpt_path)})")
-    return Run(name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every)
+        ckpt_path = checkpoints.newest([directory / "checkpoints", *([Path(dirpath)] if dirpath else [])])
+        if ckpt_path is not None:
+            checkpoints.check(ckpt_path, option=f"the run's folder {directory}")
+    return Run(name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, preemption=preemption)
 
 
 def periodic_checkpoint(run: Run | None) -> list[ModelCheckpoint]:

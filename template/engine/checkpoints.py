@@ -1,0 +1,102 @@
+"""Checkpoint files: validate one a user names, describe it, find the newest of a run, and load one.
+
+Every path a user gives (``--ckpt_path``, ``export CKPT``, ``load_weights``) goes through :func:`check` first, so a
+missing, truncated or foreign file is one ``error:`` line before anything reads it or writes beside it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from template.engine.errors import ConfigError, one_line
+
+# Lightning resolves these names itself instead of reading a file.
+SPECIAL_PATHS = ("best", "last", "hpc", "registry")
+# Lightning writes this key into every checkpoint it saves.
+_LIGHTNING_KEY = "pytorch-lightning_version"
+
+
+def check(path: str | os.PathLike, option: str = "--ckpt_path", lightning: bool = True) -> dict[str, Any]:
+    """The checkpoint at ``path``, its tensors memory-mapped; a ConfigError when it cannot be used.
+
+    ``lightning``: the caller resumes or evaluates from it, so a bare ``state_dict`` (what ``export`` writes) is
+    refused with a line saying what the file is and how to use it.
+    """
+    if not Path(path).is_file():
+        raise ConfigError(f"checkpoint '{path}' does not exist; pass an existing file to {option}")
+    try:
+        # mmap reads the archive's index, not the tensors: a cheap check that the file is whole.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # junk bytes make the unpickler fail in arbitrary ways
+        reason = one_line(err).split(". ")[0][:200]
+        if "mmap can only be used" in reason:
+            reason = "not a PyTorch checkpoint archive"
+        raise ConfigError(
+            f"checkpoint '{path}' cannot be loaded ({reason}); it is truncated, corrupt "
+            f"or not a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project to {option}"
+        ) from None
+    if lightning and not is_lightning(checkpoint):
+        if is_state_dict(checkpoint):
+            raise ConfigError(
+                f"checkpoint '{path}' holds a network's weights only (as `export` writes them), not a training "
+                f"state: load it with net.load_state_dict(torch.load('{path}', weights_only=True)), or pass the "
+                f"Lightning .ckpt it was exported from to {option}"
+            )
+        raise ConfigError(
+            f"checkpoint '{path}' is not a Lightning checkpoint (it has no '{_LIGHTNING_KEY}'); pass a .ckpt "
+            f"file written by a run of this project to {option}"
+        )
+    return checkpoint
+
+
+def is_lightning(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` is what Lightning's ``Trainer.save_checkpoint`` writes."""
+    return isinstance(checkpoint, Mapping) and _LIGHTNING_KEY in checkpoint and "state_dict" in checkpoint
+
+
+def is_state_dict(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` is a bare ``state_dict``: names mapped to tensors."""
+    return (
+        isinstance(checkpoint, Mapping)
+        and bool(checkpoint)
+        and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+    )
+
+
+def describe(path: str | os.PathLike) -> str:
+    """``epoch E, step S`` of a checkpoint (validated first), read without loading its tensors."""
+    checkpoint = check(path)
+    return f"epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')}"
+
+
+def newest(directories: list[Path]) -> str | None:
+    """The most recently written ``.ckpt`` in ``directories``, or None."""
+    candidates = [p for d in directories if d.is_dir() for p in d.glob("*.ckpt") if p.is_file()]
+    if not candidates:
+        return None
+    # On equal times prefer last.ckpt: ModelCheckpoint writes it right after the best-* file of the same step.
+    return str(max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith("last"))))
+
+
+def newest_under(root: str | os.PathLike, dirpath: str | os.PathLike | None = None) -> str:
+    """What ``--ckpt_path last`` means: the newest ``.ckpt`` of the runs under ``root``; a ConfigError for none."""
+    root = Path(root)
+    directories = [*root.glob("*/*/checkpoints"), root / "checkpoints", *([Path(dirpath)] if dirpath else [])]
+    found = newest(directories)
+    if found is None:
+        raise ConfigError(
+            f"--ckpt_path last: no checkpoint found under '{root}' (looked in {root}/<logger>/<version>/checkpoints); "
+            "train first, set --trainer.default_root_dir to the run's root, or pass a checkpoint file"
+        )
+    return found
+
+
+def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """The whole checkpoint at ``path`` (any weights-only file: Lightning, exported or plain PyTorch)."""
+    check(path, option="the command", lightning=False)
+    return torch.load(path, map_location=map_location, weights_only=True)

@@ -1,0 +1,254 @@
+"""What the command line adds to a Trainer, in the order it acts, each with the option that switches it off.
+
+``MECHANISMS`` is the list a reader (and the run's first lines) sees; the functions below it build each piece from
+the parsed configuration. ``engine/cli.py`` calls them from LightningCLI's hooks and nothing else adds to a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
+
+from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.errors import ConfigError, explain_trainer_error, one_line
+from template.engine.gpus import apply_matmul_precision, resolve_free_devices
+from template.engine.loggers import default_loggers
+from template.engine.preemption import Preemption
+from template.engine.run import Run, periodic_checkpoint
+from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
+from template.engine.watchdog import HangWatchdog
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One thing the command line adds to a run: what it changes, and the option that switches it off."""
+
+    name: str
+    does: str
+    off: str
+    # Whether it is on for this run's configuration (the subcommand's section of the parsed config).
+    active: Callable[[Any, str], bool]
+
+
+def _trainer(config: Any, key: str, default: Any = None) -> Any:
+    value = config.get(f"trainer.{key}")
+    return default if value is None else value
+
+
+def _fit(config: Any, subcommand: str) -> bool:
+    return subcommand == "fit"
+
+
+# In the order they act on a run. The first lines of a run list those that are on (see `announce`).
+MECHANISMS: tuple[Mechanism, ...] = (
+    Mechanism(
+        "devices free:N",
+        "picks the N GPUs with the most free memory",
+        "list the devices (--trainer.devices=[0,1])",
+        lambda c, s: str(_trainer(c, "devices", "")).startswith("free:"),
+    ),
+    Mechanism(
+        "loggers",
+        "CSV and TensorBoard logs written every 5 s and when the run ends, plus `trackers`",
+        "--trainer.logger=false, or a logger of your own in trainer.logger",
+        lambda c, s: _trainer(c, "logger", True) is True,
+    ),
+    Mechanism(
+        "atomic checkpoints",
+        "checkpoints written to a temporary file beside the target, fsynced and renamed; loaded weights-only",
+        "--trainer.plugins=[] (Lightning's own checkpoint IO)",
+        lambda c, s: c.get("trainer.plugins") is None,
+    ),
+    Mechanism(
+        "random states in checkpoints",
+        "torch, CUDA, Python, NumPy and sampler generator states saved per process, restored on resume",
+        "always on: it only adds to the checkpoint",
+        lambda c, s: True,
+    ),
+    Mechanism(
+        "progress bar",
+        "redrawn every 10 steps",
+        "--trainer.enable_progress_bar=false, or a progress bar of your own in trainer.callbacks",
+        lambda c, s: _trainer(c, "enable_progress_bar", True) is not False,
+    ),
+    Mechanism(
+        "preemption",
+        "SIGTERM/SIGUSR1 write checkpoints/interrupted.ckpt and requeue a SLURM job",
+        "--run.preemption=false",
+        lambda c, s: s == "fit" and c.get("run.preemption") is not False,
+    ),
+    Mechanism(
+        "periodic checkpoint",
+        "checkpoints/last-step.ckpt rewritten every run.save_every_n_steps steps",
+        "--run.save_every_n_steps=null",
+        lambda c, s: s == "fit" and c.get("run.save_every_n_steps") is not None,
+    ),
+    Mechanism(
+        "hang watchdog",
+        "a collective waiting longer than watchdog.timeout ends the whole job",
+        "--watchdog.timeout=SECONDS (Lightning's own: 1800)",
+        lambda c, s: True,
+    ),
+    Mechanism(
+        "log cadence",
+        "replaces the module's `log` during fit: step-only self.log calls return at once between logging steps",
+        "--log_cadence.enabled=false",
+        lambda c, s: s == "fit" and c.get("log_cadence.enabled") is not False,
+    ),
+    Mechanism(
+        "metric queue",
+        "wraps update/forward/compute/reset/state_dict of training_step's torchmetrics: updates run batched",
+        "--log_cadence.metric_queue_mib=0",
+        lambda c, s: s == "fit" and c.get("log_cadence.enabled") is not False and c.get("log_cadence.metric_queue_mib"),
+    ),
+    Mechanism(
+        "dp",
+        "swaps the module's network attribute for a DataParallel wrapper during the run",
+        "another trainer.strategy",
+        lambda c, s: _trainer(c, "strategy") == "dp",
+    ),
+    Mechanism(
+        "batch scaling",
+        "sets data.batch_size from scaling.global_batch_size and scales the learning rate",
+        "--scaling.global_batch_size=null --scaling.lr_scaling=none",
+        lambda c, s: c.get("scaling.global_batch_size") is not None or c.get("scaling.lr_scaling") != "none",
+    ),
+    Mechanism(
+        "compile",
+        "torch.compile of the module's network in place",
+        "--compile.enabled=false",
+        lambda c, s: bool(c.get("compile.enabled")),
+    ),
+)
+
+
+def announce(config: Any, subcommand: str) -> str:
+    """The run's first lines: the mechanisms that are on, each with how to switch it off."""
+    active = [m for m in MECHANISMS if m.active(config, subcommand)]
+    width = max(len(m.name) for m in active)
+    lines = [f"  {m.name:<{width}}  {m.does}; off: {m.off}" for m in active]
+    if subcommand == "fit" and config.get("checkpoint.monitor") is None:
+        lines.append(
+            "  checkpoints: no checkpoint.monitor set, so only last.ckpt is kept; to keep the best one too, name a "
+            "metric your module logs: --checkpoint.monitor=val_loss --checkpoint.mode=min"
+        )
+    return "\n".join(["Added by the command line:", *lines])
+
+
+def loggers(trainer_config: dict[str, Any], run: Run, trackers: list[Any]) -> dict[str, Any]:
+    """The ``logger`` argument: CSV and TensorBoard in the run's folder, then the trackers; {} keeps the config's."""
+    logger = trainer_config.get("logger")
+    if logger in (None, True):
+        # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
+        root = trainer_config.get("default_root_dir")
+        return {"logger": [*default_loggers(root, run.name, run.resume), *trackers]}
+    if not trackers:
+        return {}
+    if logger is False:
+        raise ConfigError("trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them")
+    return {"logger": [*(logger if isinstance(logger, list) else [logger]), *trackers]}
+
+
+def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``plugins`` argument: atomic checkpoint writes, unless the config lists plugins of its own."""
+    return {"plugins": [AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
+
+
+def callbacks(trainer_config: dict[str, Any], subcommand: str, run: Run, monitor: str | None) -> dict[str, Any]:
+    """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitor's check, preemption and
+    periodic saves."""
+    configured = trainer_config.get("callbacks") or []
+    added: list[Callback] = []
+    if trainer_config.get("enable_progress_bar") is not False and not any(
+        isinstance(c, ProgressBar) for c in configured
+    ):
+        # Lightning's default bar redraws after every step, which costs more than a small model's step here.
+        added.append(TQDMProgressBar(refresh_rate=10))
+    if subcommand == "fit":
+        added += [*([MonitorCheck(monitor)] if monitor else []), *([Preemption()] if run.preemption else [])]
+        added += periodic_checkpoint(run)
+    if not added:
+        return {}
+    return {"callbacks": [*(configured if isinstance(configured, list) else [configured]), *added]}
+
+
+def check_devices(trainer_config: dict[str, Any]) -> None:
+    """Resolve ``devices: free:N`` and check dp's settings, before Lightning's checks whose messages cannot help."""
+    resolve_free_devices(trainer_config)
+    check_dp_trainer_config(trainer_config)
+
+
+def after_trainer(trainer: Trainer, matmul_precision: str | None) -> None:
+    """What needs the built Trainer: matmul precision, the launcher's process count, the watchdog's timeout."""
+    apply_matmul_precision(matmul_precision, trainer)
+    # Lightning compares devices x num_nodes with what torchrun or SLURM started only inside fit, with a traceback
+    # from every process: compare them here, where the mismatch becomes one line.
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if getattr(launcher, "cluster_environment", None) is not None:
+        launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
+    for callback in trainer.callbacks:
+        if isinstance(callback, HangWatchdog):
+            callback.arm(trainer)
+
+
+def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config: dict[str, Any]) -> Trainer:
+    """``build()``, with Lightning's complaints about the Trainer settings turned into one-line ConfigErrors."""
+    try:
+        return build()
+    except (MisconfigurationException, ValueError) as err:
+        raise ConfigError(explain_trainer_error(one_line(err))) from None
+    except TypeError as err:
+        if "devices" not in str(err):
+            raise
+        raise ConfigError(
+            f"trainer.devices={trainer_config.get('devices')!r} is not valid on the CPU: CPU devices are a number "
+            "of processes (>= 1), not indices; set e.g. --trainer.devices=2"
+        ) from None
+
+
+class MonitorCheck(Callback):
+    """Stops a run whose ``checkpoint.monitor`` the module does not log, after the first validation, before training.
+
+    Lightning's ModelCheckpoint finds out only at the end of the first training epoch, with a traceback.
+    """
+
+    def __init__(self, monitor: str) -> None:
+        self.monitor = monitor
+        self._checked = False
+
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self._check(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._check(trainer)
+
+    def _check(self, trainer: Trainer) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        logged = sorted(trainer.callback_metrics)
+        if self.monitor in logged:
+            return
+        example = next((m for m in logged if m.startswith("val")), logged[0] if logged else "val_loss")
+        mode = "max" if any(w in example for w in ("acc", "f1", "auc", "precision", "recall")) else "min"
+        raise ConfigError(
+            f"checkpoint.monitor={self.monitor!r} is not logged by the module (it logs: "
+            f"{', '.join(logged) or 'nothing'}); name one of those, e.g. --checkpoint.monitor={example} "
+            f"--checkpoint.mode={mode}, or "
+            "--checkpoint.monitor=null to keep last.ckpt only"
+        )
+
+
+def best_checkpoint_line(checkpoint: ModelCheckpoint | None) -> str | None:
+    """The line naming the best checkpoint of a finished fit, or None when there is none to name."""
+    # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
+    if checkpoint is None or not checkpoint.best_model_path or checkpoint.best_model_score is None:
+        return None
+    score = float(checkpoint.best_model_score)
+    return f"Best checkpoint: {checkpoint.best_model_path} ({checkpoint.monitor}={score:.4f})"
