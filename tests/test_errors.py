@@ -38,6 +38,11 @@ CASES = {
     "missing-checkpoint": (["--ckpt_path", "nope.ckpt"], ["nope.ckpt", "--ckpt_path"]),
     "corrupt-checkpoint": (["--ckpt_path", "corrupt.ckpt"], ["corrupt.ckpt", "complete"]),
     "truncated-checkpoint": (["--ckpt_path", "truncated.ckpt"], ["truncated.ckpt", "complete"]),
+    "foreign-checkpoint": (["--ckpt_path", "foreign.ckpt"], ["foreign.ckpt", "not a Lightning checkpoint"]),
+    "exported-weights-as-checkpoint": (
+        ["--ckpt_path", "net.pt"],
+        ["net.pt", "weights only", "load_state_dict", "Lightning .ckpt it was exported from"],
+    ),
     "ckpt-last-without-runs": (["--ckpt_path", "last", "--trainer.default_root_dir=empty"], ["empty", "train first"]),
     "zero-batch-size": (["--data.init_args.batch_size=0"], ["batch_size", "got 0", "--data.batch_size=64"]),
     "negative-batch-size": (["--data.init_args.batch_size=-5"], ["batch_size", "got -5", "--data.batch_size=64"]),
@@ -79,6 +84,8 @@ def _workspace(root: Path) -> None:
     (root / "corrupt.ckpt").write_bytes(b"this is not a checkpoint")
     whole = (checkpoints / "last.ckpt").read_bytes()
     (root / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
+    torch.save({"epoch": 3, "note": "another program's file"}, root / "foreign.ckpt")
+    torch.save({"0.weight": torch.zeros(2, 2)}, root / "net.pt")  # what `export` writes
     (root / "afile").write_text("a file, not a directory")
     (root / "empty").mkdir()
     if not ROOT:
@@ -127,4 +134,50 @@ def test_real_command_exits_2_without_traceback(tmp_path: Path, run_cli, extra: 
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     assert sum(line.startswith("error:") for line in done.stderr.splitlines()) == 1
+    assert _snapshot(tmp_path) == before
+
+
+# Every subcommand, with and without a run name (given, or from SLURM or torchrun): a bad checkpoint is one line.
+CKPT_CASES = {
+    "fit-slurm-missing": (["fit"], {"SLURM_JOB_ID": "123"}, "missing.ckpt"),
+    "fit-run-name-missing": (["fit", "--run.name", "x"], {}, "missing.ckpt"),
+    "fit-torchrun-truncated": (["fit"], {"TORCHELASTIC_RUN_ID": "job7"}, "truncated.ckpt"),
+    "validate-slurm-corrupt": (["validate"], {"SLURM_JOB_ID": "123"}, "corrupt.ckpt"),
+    "test-missing": (["test"], {}, "missing.ckpt"),
+    "predict-foreign": (["predict"], {}, "foreign.ckpt"),
+}
+
+
+@pytest.mark.parametrize(("command", "environ", "ckpt"), CKPT_CASES.values(), ids=CKPT_CASES.keys())
+def test_a_bad_checkpoint_is_one_line_for_every_subcommand(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    command: list,
+    environ: dict,
+    ckpt: str,
+) -> None:
+    _workspace(tmp_path)
+    before = _snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [PACKAGE])
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--config", str(CONFIGS / "default.yaml"), f"--ckpt_path={ckpt}"])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and ckpt in errors[0] and "--ckpt_path" in errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert _snapshot(tmp_path) == before, "the failed command changed files on disk"
+
+
+@pytest.mark.parametrize("ckpt", ["missing.ckpt", "truncated.ckpt", "corrupt.ckpt"])
+def test_export_of_a_bad_checkpoint_is_one_line(tmp_path: Path, run_main, ckpt: str) -> None:  # noqa: ANN001
+    _workspace(tmp_path)
+    before = _snapshot(tmp_path)
+    done = run_main("export", ckpt)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and ckpt in errors[0], done.stderr
     assert _snapshot(tmp_path) == before

@@ -107,3 +107,35 @@ def test_a_chosen_class_gets_its_own_defaults_not_the_examples(run_cli, tmp_path
     full = yaml.safe_load(printed.stdout)
     assert full["data"]["init_args"] == {"batch_size": 32, "samples": 256}  # Waves' default; the override stays
     assert set(full["model"]["init_args"]) == {"body", "lr"}
+
+
+def test_a_module_without_a_checkpoint_section_keeps_last_ckpt_and_says_so(run_cli, tmp_path):
+    # The example's val_acc monitor is the example's: the Regressor logs val_mse and names no monitor.
+    config = {key: value for key, value in REGRESSION_CONFIG.items() if key != "checkpoint"}
+    config["trainer"] = {**config["trainer"], "max_epochs": 1, "limit_train_batches": 3}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=str(USER_CODE)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert [line for line in output.splitlines() if "no checkpoint.monitor set" in line], output[-3000:]
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+    saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
+    assert saved["checkpoint"]["monitor"] is None
+
+
+def test_a_monitor_the_module_does_not_log_stops_before_training(run_cli, tmp_path):
+    config = {**REGRESSION_CONFIG, "checkpoint": {"monitor": "val_acc", "mode": "max"}}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=str(USER_CODE)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for fragment in ("val_acc", "it logs: val_mse", "--checkpoint.monitor=val_mse --checkpoint.mode=min"):
+        assert fragment in errors[0], errors[0]
+    # Stopped after the sanity check: no training step was logged, no checkpoint written.
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert not (run_dir / "checkpoints").exists()
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open())) if (run_dir / "metrics.csv").exists() else []
+    assert not [r for r in rows if r.get("train_mse")]

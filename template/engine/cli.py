@@ -6,11 +6,13 @@ LightningCLI's documented hooks.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -59,14 +61,32 @@ class Command:
 
 # Every subcommand, in the order --help lists them. A plain one (no Trainer) is one entry with `runs`.
 COMMANDS: dict[str, Command] = {
-    "fit": Command("Train; the same command with --run.name continues a run from its newest checkpoint"),
-    "validate": Command("Evaluate a checkpoint (--ckpt_path) on the validation data"),
-    "test": Command("Evaluate a checkpoint (--ckpt_path) on the test data"),
-    "predict": Command("Write the predictions of a checkpoint (--ckpt_path) to a CSV file"),
-    "export": Command(
-        "Write the bare network's weights of a checkpoint, for plain PyTorch", f"{template.__name__}.engine.export:main"
-    ),
+    "fit": Command("Train (a named run continues from its newest checkpoint)"),
+    "validate": Command("Evaluate a checkpoint on the validation data"),
+    "test": Command("Evaluate a checkpoint on the test data"),
+    "predict": Command("Write a checkpoint's predictions to a CSV file"),
+    "export": Command("Write a checkpoint's network weights for plain PyTorch", f"{__package__}.export:main"),
 }
+
+
+def _described(method: Callable[..., Any], command: Command) -> Callable[..., Any]:
+    """``method`` with the command's description as its docstring: LightningCLI's --help shows its first line."""
+
+    @functools.wraps(method)
+    def run(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    run.__doc__ = command.description
+    return run
+
+
+class DescribedTrainer(Trainer):
+    """Lightning's Trainer, whose subcommand methods carry this command line's descriptions."""
+
+    fit = _described(Trainer.fit, COMMANDS["fit"])
+    validate = _described(Trainer.validate, COMMANDS["validate"])
+    test = _described(Trainer.test, COMMANDS["test"])
+    predict = _described(Trainer.predict, COMMANDS["predict"])
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -307,11 +327,8 @@ def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[C
         trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
         # A restart of the same run keeps its config.yaml instead of refusing to start.
         save_config_callback=RunConfigCallback,
-        parser_kwargs={
-            "prog": PROGRAM,
-            "description": _plain_commands_help(),
-            **{name: {"description": c.description} for name, c in COMMANDS.items() if c.runs is None},
-        },
+        trainer_class=DescribedTrainer,
+        parser_kwargs={"prog": PROGRAM, "description": _plain_commands_help()},
         args=args,
         run=run,
     )
@@ -321,8 +338,8 @@ def _plain_commands_help() -> str | None:
     plain = {name: c for name, c in COMMANDS.items() if c.runs is not None}
     if not plain:
         return None
-    listed = "; ".join(f"{PROGRAM} {name}: {c.description}" for name, c in plain.items())
-    return f"Also: {listed} (see {PROGRAM} <command> --help)."
+    listed = "; ".join(f"{name}: {c.description}" for name, c in plain.items())
+    return f"Subcommands without a Trainer: {listed}. Each subcommand has its own --help."
 
 
 class _NoAdvertisement(logging.Filter):

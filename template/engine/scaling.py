@@ -148,7 +148,13 @@ class BatchScaling(Callback):
             scale_learning_rates(trainer.optimizers, schedulers, factor / self._applied_factor)
             self._applied_factor = factor
         self.summary = run_summary(trainer, per_process, effective, self)
-        rank_zero_info(format_summary(self.summary))
+        bar = trainer.progress_bar_callback
+        if bar is not None and bar.is_enabled:
+            # Through the bar, which clears its line first: a plain print would continue the bar's line.
+            if trainer.is_global_zero:
+                bar.print(format_summary(self.summary))
+        else:
+            rank_zero_info(format_summary(self.summary))
         for logger in trainer.loggers:
             logger.log_hyperparams({"run": self.summary})
             logger.save()
