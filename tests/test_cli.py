@@ -88,6 +88,31 @@ def test_print_config_round_trip(run_main, run_cli, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "lightning_logs/version_0/config.yaml").read_text())
     assert saved["trainer"]["max_epochs"] == 1
+    # What --print_config shows is what the run used.
+    assert config["checkpoint"] == saved["checkpoint"]
+    assert config["checkpoint"]["filename"] == "best-{epoch}-{val_acc:.4f}"
+
+
+def test_help_names_the_program_and_every_subcommand(run_main):
+    from template.engine.cli import COMMANDS
+
+    shown = run_main("--help")
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())  # argparse wraps the lines
+    assert text.startswith(f"usage: python -m {PACKAGE} ")
+    for name, command in COMMANDS.items():
+        assert name in text and " ".join(command.description.split()) in text, name
+    assert "Runs the full optimization routine" not in text  # Lightning's own text
+
+
+def test_first_lines_say_what_is_on_and_how_to_switch_it_off(trained):
+    _, result = trained
+    output = result.stdout + result.stderr
+    for switch in ("--log_cadence.enabled=false", "--log_cadence.metric_queue_mib=0", "--run.preemption=false"):
+        assert output.count(switch) == 1, switch
+    assert "litlogger" not in output
+    # The run summary starts its own line, not the progress bar's.
+    assert [line for line in output.splitlines() if line.startswith("Run: strategy")], output[-3000:]
 
 
 def test_stacked_configs_and_overrides(run_cli, tmp_path):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from template.engine.atomic import atomic_torch_save
@@ -19,7 +19,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         """Write ``checkpoint`` to a temporary file beside ``path``, fsync it, and rename it onto ``path``."""
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or get_protocol(str(path)) != "file":
             # Remote stores (s3://, gs://...) have their own atomic uploads; Lightning's path handles them.
             super().save_checkpoint(checkpoint, path, storage_options)
             return
