@@ -48,79 +48,79 @@ def _fit(config: Any, subcommand: str) -> bool:
 MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism(
         "devices free:N",
-        "picks the N GPUs with the most free memory",
-        "list the devices (--trainer.devices=[0,1])",
+        "picks the GPUs with the most free memory",
+        "list them: --trainer.devices=[0,1]",
         lambda c, s: str(_trainer(c, "devices", "")).startswith("free:"),
     ),
     Mechanism(
         "loggers",
-        "CSV and TensorBoard logs written every 5 s and when the run ends, plus `trackers`",
-        "--trainer.logger=false, or a logger of your own in trainer.logger",
+        "CSV and TensorBoard, written every 5 s and at the end, plus trackers",
+        "--trainer.logger=false, or your own logger",
         lambda c, s: _trainer(c, "logger", True) is True,
     ),
     Mechanism(
         "atomic checkpoints",
-        "checkpoints written to a temporary file beside the target, fsynced and renamed; loaded weights-only",
-        "--trainer.plugins=[] (Lightning's own checkpoint IO)",
+        "written beside the target, fsynced, renamed; loaded weights-only",
+        "--trainer.plugins=[]",
         lambda c, s: c.get("trainer.plugins") is None,
     ),
     Mechanism(
-        "random states in checkpoints",
-        "torch, CUDA, Python, NumPy and sampler generator states saved per process, restored on resume",
-        "always on: it only adds to the checkpoint",
+        "random states",
+        "saved in every checkpoint per process, for an exact resume",
+        "always on (it only adds to checkpoints)",
         lambda c, s: True,
     ),
     Mechanism(
         "progress bar",
         "redrawn every 10 steps",
-        "--trainer.enable_progress_bar=false, or a progress bar of your own in trainer.callbacks",
+        "--trainer.enable_progress_bar=false, or your own bar",
         lambda c, s: _trainer(c, "enable_progress_bar", True) is not False,
     ),
     Mechanism(
         "preemption",
-        "SIGTERM/SIGUSR1 write checkpoints/interrupted.ckpt and requeue a SLURM job",
+        "SIGTERM/SIGUSR1 save interrupted.ckpt (and requeue on SLURM)",
         "--run.preemption=false",
         lambda c, s: s == "fit" and c.get("run.preemption") is not False,
     ),
     Mechanism(
         "periodic checkpoint",
-        "checkpoints/last-step.ckpt rewritten every run.save_every_n_steps steps",
+        "last-step.ckpt every run.save_every_n_steps steps",
         "--run.save_every_n_steps=null",
         lambda c, s: s == "fit" and c.get("run.save_every_n_steps") is not None,
     ),
     Mechanism(
         "hang watchdog",
-        "a collective waiting longer than watchdog.timeout ends the whole job",
-        "--watchdog.timeout=SECONDS (Lightning's own: 1800)",
+        "a rank waiting longer than watchdog.timeout s ends the job",
+        "none; raise --watchdog.timeout (Lightning's: 1800)",
         lambda c, s: True,
     ),
     Mechanism(
         "log cadence",
-        "replaces the module's `log` during fit: step-only self.log calls return at once between logging steps",
+        "replaces your module's `log` in fit: step-only values only on logging steps",
         "--log_cadence.enabled=false",
         lambda c, s: s == "fit" and c.get("log_cadence.enabled") is not False,
     ),
     Mechanism(
         "metric queue",
-        "wraps update/forward/compute/reset/state_dict of training_step's torchmetrics: updates run batched",
+        "patches training metrics' update/forward/compute/reset/state_dict to batch updates",
         "--log_cadence.metric_queue_mib=0",
         lambda c, s: s == "fit" and c.get("log_cadence.enabled") is not False and c.get("log_cadence.metric_queue_mib"),
     ),
     Mechanism(
         "dp",
-        "swaps the module's network attribute for a DataParallel wrapper during the run",
+        "swaps your module's network attribute for DataParallel during the run",
         "another trainer.strategy",
         lambda c, s: _trainer(c, "strategy") == "dp",
     ),
     Mechanism(
         "batch scaling",
-        "sets data.batch_size from scaling.global_batch_size and scales the learning rate",
+        "sets data.batch_size from the global batch; scales the learning rate",
         "--scaling.global_batch_size=null --scaling.lr_scaling=none",
         lambda c, s: c.get("scaling.global_batch_size") is not None or c.get("scaling.lr_scaling") != "none",
     ),
     Mechanism(
         "compile",
-        "torch.compile of the module's network in place",
+        "torch.compile of your module's network, in place",
         "--compile.enabled=false",
         lambda c, s: bool(c.get("compile.enabled")),
     ),
@@ -131,13 +131,13 @@ def announce(config: Any, subcommand: str) -> str:
     """The run's first lines: the mechanisms that are on, each with how to switch it off."""
     active = [m for m in MECHANISMS if m.active(config, subcommand)]
     width = max(len(m.name) for m in active)
-    lines = [f"  {m.name:<{width}}  {m.does}; off: {m.off}" for m in active]
+    lines = [f"  {m.name:<{width}}  {m.does}  [off: {m.off}]" for m in active]
     if subcommand == "fit" and config.get("checkpoint.monitor") is None:
         lines.append(
-            "  checkpoints: no checkpoint.monitor set, so only last.ckpt is kept; to keep the best one too, name a "
-            "metric your module logs: --checkpoint.monitor=val_loss --checkpoint.mode=min"
+            f"  {'checkpoints':<{width}}  no checkpoint.monitor set: only last.ckpt is kept  "
+            "[best too: --checkpoint.monitor=<a logged metric> --checkpoint.mode=min|max]"
         )
-    return "\n".join(["Added by the command line:", *lines])
+    return "\n".join(["Added by the command line [and how to switch each off]:", *lines])
 
 
 def loggers(trainer_config: dict[str, Any], run: Run, trackers: list[Any]) -> dict[str, Any]:
