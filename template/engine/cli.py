@@ -189,7 +189,6 @@ class CLI(LightningCLI):
         built = self.config_init[subcommand] if subcommand else self.config_init
         trainer_config = built.get("trainer") or {}
         run = continue_run(config) if subcommand == "fit" else Run(None, None, None, resume=False)
-        wiring.check_devices(trainer_config)
         kwargs = {
             **wiring.loggers(trainer_config, run, built.get("trackers") or []),
             **wiring.plugins(trainer_config),
@@ -197,13 +196,15 @@ class CLI(LightningCLI):
             **kwargs,
         }
         rank_zero_info(wiring.announce(config, subcommand))
-        trainer = wiring.trainer_errors_as_config_errors(
-            lambda: super(CLI, self).instantiate_trainer(**kwargs), trainer_config
-        )
-        wiring.after_trainer(trainer, built.get("float32_matmul_precision"))
-        return trainer
 
-    @override
+        def build() -> Trainer:
+            wiring.check_devices(trainer_config)
+            trainer = super(CLI, self).instantiate_trainer(**kwargs)
+            wiring.after_trainer(trainer, built.get("float32_matmul_precision"))
+            return trainer
+
+        return wiring.trainer_errors_as_config_errors(build, trainer_config)
+
     def before_fit(self) -> None:
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.

@@ -197,7 +197,8 @@ def after_trainer(trainer: Trainer, matmul_precision: str | None) -> None:
 
 
 def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config: dict[str, Any]) -> Trainer:
-    """``build()``, with Lightning's complaints about the Trainer settings turned into one-line ConfigErrors."""
+    """``build()`` (the checks above, the Trainer, ``after_trainer``), with Lightning's complaints about the Trainer
+    settings turned into one-line ConfigErrors."""
     try:
         return build()
     except (MisconfigurationException, ValueError) as err:
