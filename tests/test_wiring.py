@@ -1,0 +1,79 @@
+"""What the command line adds to a Trainer: each piece is on by default, listed in the first lines, and switches off."""
+
+from __future__ import annotations
+
+import pytest
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from template.engine import wiring
+from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.preemption import Preemption
+from template.engine.run import Run
+
+
+def _config(**overrides: object) -> Namespace:
+    config = Namespace()
+    defaults = {
+        "trainer.logger": None,
+        "trainer.plugins": None,
+        "trainer.enable_progress_bar": None,
+        "trainer.strategy": "auto",
+        "trainer.devices": 1,
+        "run.preemption": True,
+        "run.save_every_n_steps": None,
+        "log_cadence.enabled": True,
+        "log_cadence.metric_queue_mib": 16.0,
+        "checkpoint.monitor": "val_acc",
+        "scaling.global_batch_size": None,
+        "scaling.lr_scaling": "none",
+        "compile.enabled": False,
+    }
+    for key, value in {**defaults, **overrides}.items():
+        config[key] = value
+    return config
+
+
+def test_first_lines_name_the_changes_to_user_objects_and_their_switches() -> None:
+    text = wiring.announce(_config(**{"trainer.strategy": "dp"}), "fit")
+    for name, switch in [
+        ("log cadence", "--log_cadence.enabled=false"),
+        ("metric queue", "--log_cadence.metric_queue_mib=0"),
+        ("dp", "another trainer.strategy"),
+        ("preemption", "--run.preemption=false"),
+        ("atomic checkpoints", "--trainer.plugins=[]"),
+    ]:
+        assert any(line.strip().startswith(name) and switch in line for line in text.splitlines()), (name, text)
+
+
+@pytest.mark.parametrize(
+    ("switch", "gone"),
+    [
+        ({"log_cadence.enabled": False}, ("log cadence", "metric queue")),
+        ({"log_cadence.metric_queue_mib": 0.0}, ("metric queue",)),
+        ({"run.preemption": False}, ("preemption",)),
+        ({"trainer.plugins": []}, ("atomic checkpoints",)),
+        ({"trainer.enable_progress_bar": False}, ("progress bar",)),
+    ],
+)
+def test_a_switched_off_mechanism_is_not_announced(switch: dict, gone: tuple) -> None:
+    before = wiring.announce(_config(), "fit")
+    after = wiring.announce(_config(**switch), "fit")
+    for name in gone:
+        assert f"  {name} " in before and f"  {name} " not in after, name
+
+
+def test_evaluation_announces_no_training_mechanism() -> None:
+    text = wiring.announce(_config(), "validate")
+    assert "log cadence" not in text and "preemption" not in text
+
+
+def test_pieces_follow_their_switches() -> None:
+    run = Run(None, None, None, resume=False)
+    added = wiring.callbacks({}, "fit", run, "val_acc")["callbacks"]
+    kinds = [type(c) for c in added]
+    assert kinds == [TQDMProgressBar, wiring.MonitorCheck, Preemption]
+    quiet = Run(None, None, None, resume=False, preemption=False)
+    assert wiring.callbacks({"enable_progress_bar": False}, "fit", quiet, None) == {}
+    assert isinstance(wiring.plugins({})["plugins"][0], AtomicCheckpointIO)
+    assert wiring.plugins({"plugins": []}) == {}
