@@ -33,6 +33,8 @@ class Mechanism:
     off: str
     # Whether it is on for this run's configuration (the subcommand's section of the parsed config).
     active: Callable[[Any, str], bool]
+    # Checks that only stop a wrong run, and files every run writes, are listed here but not in the first lines.
+    announced: bool = True
 
 
 def _trainer(config: Any, key: str, default: Any = None) -> Any:
@@ -44,13 +46,20 @@ def _fit(config: Any, subcommand: str) -> bool:
     return subcommand == "fit"
 
 
-# In the order they act on a run. The first lines of a run list those that are on (see `announce`).
+# In the order they act: while the Trainer is built, then during the run. The first lines list those on (`announce`).
 MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism(
         "devices free:N",
         "picks the GPUs with the most free memory",
         "list them: --trainer.devices=[0,1]",
         lambda c, s: str(_trainer(c, "devices", "")).startswith("free:"),
+    ),
+    Mechanism(
+        "device checks",
+        "strategy dp's settings and devices checked before Lightning's own checks",
+        "none (a check only stops a wrong run)",
+        lambda c, s: True,
+        announced=False,
     ),
     Mechanism(
         "loggers",
@@ -65,16 +74,16 @@ MECHANISMS: tuple[Mechanism, ...] = (
         lambda c, s: c.get("trainer.plugins") is None,
     ),
     Mechanism(
-        "random states",
-        "saved in every checkpoint per process, for an exact resume",
-        "always on (it only adds to checkpoints)",
-        lambda c, s: True,
-    ),
-    Mechanism(
         "progress bar",
         "redrawn every 10 steps",
         "--trainer.enable_progress_bar=false, or your own bar",
         lambda c, s: _trainer(c, "enable_progress_bar", True) is not False,
+    ),
+    Mechanism(
+        "random states",
+        "saved in every checkpoint per process, for an exact resume",
+        "always on (it only adds to checkpoints)",
+        lambda c, s: True,
     ),
     Mechanism(
         "preemption",
@@ -89,10 +98,43 @@ MECHANISMS: tuple[Mechanism, ...] = (
         lambda c, s: s == "fit" and c.get("run.save_every_n_steps") is not None,
     ),
     Mechanism(
+        "cluster check",
+        "devices x num_nodes compared with what torchrun or SLURM started",
+        "none (a check only stops a wrong run)",
+        lambda c, s: True,
+        announced=False,
+    ),
+    Mechanism(
+        "matmul precision",
+        "float32 matmuls may use TF32 on CUDA (float32_matmul_precision: auto)",
+        "--float32_matmul_precision=highest",
+        lambda c, s: True,
+        announced=False,
+    ),
+    Mechanism(
         "hang watchdog",
         "a rank waiting longer than watchdog.timeout s ends the job",
         "none; raise --watchdog.timeout (Lightning's: 1800)",
         lambda c, s: True,
+    ),
+    Mechanism(
+        "config.yaml",
+        "the full config saved in the run's folder; a restart keeps the first and saves a changed one beside it",
+        "none",
+        lambda c, s: True,
+        announced=False,
+    ),
+    Mechanism(
+        "compile",
+        "torch.compile of your module's network, in place",
+        "--compile.enabled=false",
+        lambda c, s: bool(c.get("compile.enabled")),
+    ),
+    Mechanism(
+        "dp",
+        "swaps your module's network attribute for DataParallel during the run",
+        "another trainer.strategy",
+        lambda c, s: _trainer(c, "strategy") == "dp",
     ),
     Mechanism(
         "log cadence",
@@ -107,29 +149,31 @@ MECHANISMS: tuple[Mechanism, ...] = (
         lambda c, s: s == "fit" and c.get("log_cadence.enabled") is not False and c.get("log_cadence.metric_queue_mib"),
     ),
     Mechanism(
-        "dp",
-        "swaps your module's network attribute for DataParallel during the run",
-        "another trainer.strategy",
-        lambda c, s: _trainer(c, "strategy") == "dp",
-    ),
-    Mechanism(
         "batch scaling",
         "sets data.batch_size from the global batch; scales the learning rate",
         "--scaling.global_batch_size=null --scaling.lr_scaling=none",
         lambda c, s: c.get("scaling.global_batch_size") is not None or c.get("scaling.lr_scaling") != "none",
     ),
     Mechanism(
-        "compile",
-        "torch.compile of your module's network, in place",
-        "--compile.enabled=false",
-        lambda c, s: bool(c.get("compile.enabled")),
+        "monitor check",
+        "a checkpoint.monitor the module does not log stops fit after the sanity check",
+        "--checkpoint.monitor=null",
+        lambda c, s: s == "fit" and c.get("checkpoint.monitor") is not None,
+        announced=False,
+    ),
+    Mechanism(
+        "predictions",
+        "predict writes predictions.csv in the run's folder",
+        "none",
+        lambda c, s: s == "predict",
+        announced=False,
     ),
 )
 
 
 def announce(config: Any, subcommand: str) -> str:
     """The run's first lines: the mechanisms that are on, each with how to switch it off."""
-    active = [m for m in MECHANISMS if m.active(config, subcommand)]
+    active = [m for m in MECHANISMS if m.announced and m.active(config, subcommand)]
     width = max(len(m.name) for m in active)
     lines = [f"  {m.name:<{width}}  {m.does}  [off: {m.off}]" for m in active]
     if subcommand == "fit" and config.get("checkpoint.monitor") is None:
