@@ -7,7 +7,7 @@ import sys
 import pytest
 from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from template.engine import internals
@@ -52,19 +52,6 @@ def test_lightning_instantiator_records_the_links_it_is_given() -> None:
     with pytest.raises(_Stop) as stop:
         Probe(BoringModel, args=["fit"], save_config_callback=None, seed_everything_default=0)
     assert stop.value.args[0]["size"] == 5
-
-
-def test_subcommand_parser_is_the_one_the_subcommand_parses_with() -> None:
-    class Probe(LightningCLI):
-        def before_instantiate_classes(self) -> None:
-            raise _Stop(internals.subcommand_parser(self, "fit"))
-
-    with pytest.raises(_Stop) as stop:
-        Probe(BoringModel, args=["fit", "--trainer.max_epochs=2"], save_config_callback=None, seed_everything_default=0)
-    parser = stop.value.args[0]
-    assert isinstance(parser, LightningArgumentParser)
-    parser.set_defaults({"trainer.max_epochs": 7})
-    assert parser.parse_args([]).trainer.max_epochs == 7
 
 
 class _Stop(Exception):

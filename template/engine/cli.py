@@ -158,7 +158,7 @@ class CLI(LightningCLI):
                 # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
                 # DataModule would train with the digits' batch_size): with that class as the default it gets its own
                 # signature's defaults and only what the configs set.
-                internals.subcommand_parser(self, subcommand).set_defaults(chosen)
+                parser.set_defaults({f"{subcommand}.{key}": value for key, value in chosen.items()})
                 super().parse_arguments(parser, args)
         if subcommand:
             self.config[subcommand] = settle(self.config[subcommand], subcommand)

@@ -53,8 +53,3 @@ def instantiator_class() -> type:
     except ImportError:
         raise _changed("lightning", "cli._InstantiatorFn", "the model's hyper-parameters") from None
     return _InstantiatorFn
-
-
-def subcommand_parser(cli: Any, subcommand: str) -> Any:
-    """The parser of one LightningCLI subcommand (``fit``...), whose defaults a user's chosen class replaces."""
-    return _require(cli, "_subcommand_parsers", "lightning", "a user's class getting its own defaults")[subcommand]
