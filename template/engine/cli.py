@@ -160,8 +160,7 @@ class CLI(LightningCLI):
                 # signature's defaults and only what the configs set.
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in chosen.items()})
                 super().parse_arguments(parser, args)
-        if subcommand:
-            self.config[subcommand] = settle(self.config[subcommand], subcommand)
+        settle(self.config[subcommand] if subcommand else self.config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
 
     @override
@@ -230,10 +229,9 @@ class CLI(LightningCLI):
             rank_zero_info(line)
 
 
-def settle(config: Any, subcommand: str) -> Any:
-    """The subcommand's parsed config as the run will use it, checkpoint paths validated before anything reads them.
-
-    Printed by --print_config and saved as config.yaml, so both show what the run uses.
+def settle(config: Any, subcommand: str | None) -> None:
+    """Make the subcommand's parsed config (in place) what the run will use; checkpoint paths are validated before
+    anything reads them. Printed by --print_config and saved as config.yaml, so both show what the run uses.
     """
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
         for key, value in EXAMPLE_MONITOR.items():
@@ -259,7 +257,6 @@ def settle(config: Any, subcommand: str) -> Any:
         config["ckpt_path"] = run.ckpt_path
         if (line := run.describe()) is not None:
             rank_zero_info(line)
-    return config
 
 
 def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
@@ -316,8 +313,18 @@ def _check_yaml_files(argv: list[str]) -> None:
             raise ConfigError(message) from None
 
 
+class _NoAdvertisement(logging.Filter):
+    """Drops Lightning's suggestions to install its cloud products; a run's output is about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip: For seamless cloud" not in record.getMessage()
+
+
 def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI) -> CLI:
     """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path."""
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoAdvertisement) for f in rank_zero_log.filters):
+        rank_zero_log.addFilter(_NoAdvertisement())
     return cli_class(
         LightningModule,
         LightningDataModule,
@@ -343,13 +350,6 @@ def _plain_commands_help() -> str | None:
     return f"Subcommands without a Trainer: {listed}. Each subcommand has its own --help."
 
 
-class _NoAdvertisement(logging.Filter):
-    """Drops Lightning's suggestions to install its cloud products; a run's output is about the run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip: For seamless cloud" not in record.getMessage()
-
-
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``python -m <package>`` and of the console script of the same name."""
     # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
@@ -358,7 +358,6 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     # torchdata's StatefulDataLoader calls a torch API that torch deprecated; nothing for the user to change.
     warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdvertisement())
     argv = sys.argv[1:] if args is None else list(args)
     try:
         command = COMMANDS.get(argv[0]) if argv else None
