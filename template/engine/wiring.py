@@ -13,6 +13,7 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
+from typing_extensions import override
 
 from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
@@ -257,18 +258,23 @@ def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config
 
 
 class MonitorCheck(Callback):
-    """Stops a run whose ``checkpoint.monitor`` the module does not log, after the first validation, before training.
+    """Stops a run whose ``checkpoint.monitor`` the module does not log, with one line naming the metrics it does log.
 
-    Lightning's ModelCheckpoint finds out only at the end of the first training epoch, with a traceback.
+    A validation metric is checked after the sanity check, before any training step; a training one (``train*``)
+    after the first validation, when training has logged. Lightning's ModelCheckpoint finds out only at the end of
+    the first training epoch, with a traceback.
     """
 
     def __init__(self, monitor: str) -> None:
         self.monitor = monitor
         self._checked = False
 
+    @override
     def on_sanity_check_end(self, trainer: Trainer, pl_module: Any) -> None:
-        self._check(trainer)
+        if not self.monitor.startswith("train"):
+            self._check(trainer)
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._check(trainer)
@@ -285,8 +291,7 @@ class MonitorCheck(Callback):
         raise ConfigError(
             f"checkpoint.monitor={self.monitor!r} is not logged by the module (it logs: "
             f"{', '.join(logged) or 'nothing'}); name one of those, e.g. --checkpoint.monitor={example} "
-            f"--checkpoint.mode={mode}, or "
-            "--checkpoint.monitor=null to keep last.ckpt only"
+            f"--checkpoint.mode={mode}"
         )
 
 
