@@ -22,6 +22,8 @@ class SampleRecorder(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.current_epoch == 0:
-            sampler = trainer.train_dataloader.sampler
+            loader = trainer.train_dataloader
+            # Lightning puts its DistributedSampler into the loader's batch sampler when it has one.
+            sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
             record = {"images": torch.cat(self.images), "sampler": type(sampler).__name__}
             torch.save(record, Path(self.dirpath) / f"rank{trainer.global_rank}.pt")
