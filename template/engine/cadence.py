@@ -83,12 +83,10 @@ class LogCadence(Callback):
 def _gated(log: Any, trainer: Trainer, pl_module: LightningModule) -> Any:
     def gated_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         # Only keyword calls are judged; a call passing on_step/on_epoch by position is always logged.
-        if not args and trainer.training and not trainer.fast_dev_run:
+        if not args and trainer.training and not trainer.fast_dev_run and not logs_this_step(trainer):
             levels = default_logging_levels(current_hook(pl_module), kwargs.get("on_step"), kwargs.get("on_epoch"))
-            if levels is not None and not logs_this_step(trainer):
-                on_step, on_epoch = levels
-                if on_step and not on_epoch:
-                    return
+            if levels is not None and levels[0] and not levels[1]:  # on_step only
+                return
         log(name, value, *args, **kwargs)
 
     return gated_log

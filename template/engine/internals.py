@@ -9,6 +9,7 @@ and the name: the fix is to install a version in the tested range (README, "Test
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from collections.abc import Callable
 from datetime import timedelta
@@ -150,15 +151,22 @@ def default_logging_levels(hook: str, on_step: bool | None, on_epoch: bool | Non
 
     The log cadence skips only calls that are step-only, by Lightning's own defaults per hook (``_FxValidator``).
     """
+    validator = _fx_validator()
+    if validator.functions.get(hook) is None:
+        return None
+    return validator.get_default_logging_levels(hook, on_step, on_epoch)
+
+
+@functools.cache
+def _fx_validator() -> Any:
+    # Looked up once: the log cadence asks on every gated self.log call.
     try:
         from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
     except ImportError:
         raise _changed("lightning", "fx_validator._FxValidator", "log_cadence") from None
-    functions = _require(_FxValidator, "functions", "lightning", "log_cadence")
-    if functions.get(hook) is None:
-        return None
-    levels = _require(_FxValidator, "get_default_logging_levels", "lightning", "log_cadence")
-    return levels(hook, on_step, on_epoch)
+    for name in ("functions", "get_default_logging_levels"):
+        _require(_FxValidator, name, "lightning", "log_cadence")
+    return _FxValidator
 
 
 def logs_this_step(trainer: Trainer) -> bool:
