@@ -140,19 +140,6 @@ def test_layer_sync_follows_sync_batchnorm() -> None:
     assert not internals.layer_sync_enabled(_trainer(strategy="ddp").strategy)
 
 
-def test_lightning_still_sets_up_the_model_through_setup_model() -> None:
-    """``Strategy._setup_model``, which strategy dp overrides to wrap the network, is called when a fit starts."""
-    calls = []
-
-    class Recording(SingleDeviceStrategy):
-        def _setup_model(self, model: nn.Module) -> nn.Module:
-            calls.append(type(model).__name__)
-            return super()._setup_model(model)
-
-    _trainer(strategy=Recording(device=torch.device("cpu")), max_steps=1).fit(BoringModel())
-    assert calls == ["BoringModel"]
-
-
 # --- logging and loops ----------------------------------------------------------------------------------------------
 
 

@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor, nn
+from typing_extensions import override
 
 from template.engine.errors import ConfigError
 from template.engine.internals import eager_call, is_compiled_in_place, layer_sync_enabled, set_compiled_call
@@ -139,7 +141,13 @@ class DataParallelStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        assert self.model is not None
+        self._parallelise_network(self.model)
+
+    def _parallelise_network(self, model: nn.Module) -> None:
         net = dict(model.named_children()).get(self.module_name)
         if net is None:
             raise ConfigError(
@@ -153,7 +161,6 @@ class DataParallelStrategy(ParallelStrategy):
         # Shadow the attribute, keep the registered child: `self.net(x)` runs the replicas while parameters(),
         # state_dict() keys, .to() and train()/eval() still see the plain network (no `module.` prefix).
         object.__setattr__(model, self.module_name, wrapped)
-        return model
 
     def process_dataloader(self, dataloader: object) -> object:
         batch_size = getattr(dataloader, "batch_size", None)
