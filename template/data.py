@@ -17,6 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from template.engine.atomic import atomic_torch_save
 from template.engine.errors import ConfigError
+from template.engine.stateful_data import RandomSampler
 
 _ARCHIVE = "digits.csv.gz"
 _CACHE = "digits.pt"
@@ -122,11 +123,13 @@ class DigitsDataModule(LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         # A DataLoader that checkpoints where it is in the epoch: Lightning saves and restores its state, so a run
-        # resumed mid-epoch reads exactly the batches it had not read yet.
+        # resumed mid-epoch reads exactly the batches it had not read yet. Shuffled by a sampler that Lightning
+        # replaces with a DistributedSampler under DDP (see RandomSampler), not by shuffle=True.
+        dataset = self.splits[split]
         return StatefulDataLoader(
-            self.splits[split],
+            dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=RandomSampler(dataset) if shuffle else None,
             collate_fn=collate_batch,
             num_workers=self.num_workers,
             pin_memory=self._pin_memory(),

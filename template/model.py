@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from template.engine.errors import ConfigError
+from template.engine.internals import built_by_lightning_cli
 
 
 class Classifier(LightningModule):
@@ -32,8 +32,7 @@ class Classifier(LightningModule):
             )
         # Built by LightningCLI, `net` and the optimiser arrive as class_path configs, which let load_from_checkpoint
         # rebuild them. Built by hand they are objects (a module, a class, a lambda) that weights_only loading refuses.
-        from_config = _given_hyperparameters.get() is not None
-        self.save_hyperparameters(ignore=[] if from_config else ["net", "optimizer", "scheduler"])
+        self.save_hyperparameters(ignore=[] if built_by_lightning_cli() else ["net", "optimizer", "scheduler"])
         self.net = net
         self.num_classes = num_classes
         self.optimizer = optimizer

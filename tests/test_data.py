@@ -1,10 +1,18 @@
+import os
+import subprocess
+import sys
 import threading
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from template.data import DigitsDataModule
 from template.engine.errors import ConfigError
+from tests.conftest import CONFIGS, PACKAGE, cli_env
+
+TESTS = Path(__file__).parent
 
 
 @pytest.fixture
@@ -100,3 +108,50 @@ def test_pin_memory_is_on_for_cuda_trainers_unless_set(tmp_path, pin_memory, acc
         # Only the accelerator's type is read; a real CUDA Trainer cannot be built without a GPU.
         dm.trainer = SimpleNamespace(accelerator={"cpu": CPUAccelerator, "cuda": CUDAAccelerator}[accelerator]())
     assert [dm.train_dataloader().pin_memory, dm.val_dataloader().pin_memory] == [expected, expected]
+
+
+def _read_by_both_ranks(workdir, train_images):
+    """Assert that 2 DDP processes read disjoint halves of the training set in epoch 0, through a DistributedSampler."""
+    ranks = [torch.load(workdir / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert [record["sampler"] for record in ranks] == ["DistributedSampler"] * 2
+    seen = Counter(map(tuple, torch.cat([record["images"] for record in ranks]).flatten(1).tolist()))
+    expected = Counter(map(tuple, train_images.flatten(1).tolist()))
+    assert not expected - seen, "some training samples were read by no process"
+    # DistributedSampler pads 1439 samples to 2 x 720 with one repeated sample; overlapping ranks repeat hundreds.
+    assert sum((seen - expected).values()) <= 1
+
+
+def _train_images(data_dir):
+    dm = DigitsDataModule(data_dir=str(data_dir))
+    dm.setup("fit")
+    return dm.splits["train"].tensors[0]
+
+
+@pytest.mark.slow
+def test_ddp_splits_the_example_data_under_a_plain_trainer(tmp_path):
+    """The DataModule in a notebook or script, no command line: Lightning gives each process its own half."""
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "plain_trainer_ddp.py"), str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _read_by_both_ranks(tmp_path, _train_images(tmp_path))
+
+
+@pytest.mark.slow
+def test_ddp_splits_the_example_data_under_the_command_line(tmp_path):
+    (tmp_path / "record.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: sample_recorder.SampleRecorder\n"
+        f"      init_args: {{dirpath: {str(tmp_path)!r}}}\n"
+    )
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    command = [
+        sys.executable, "-m", PACKAGE, "fit", "--config", str(CONFIGS / "ddp_cpu.yaml"), "--config", "record.yaml",
+        "--trainer.max_epochs=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _read_by_both_ranks(tmp_path, _train_images(tmp_path / "data"))

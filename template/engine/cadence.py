@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
 from torch import Tensor, nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.aggregation import BaseAggregator
 from torchmetrics.wrappers.abstract import WrapperMetric
 
 from template.engine.errors import ConfigError
+from template.engine.internals import current_hook, default_logging_levels, logs_this_step
 
 # Metric families whose inputs hold one sample per row and whose states are sums or concatenations over samples:
 # how the samples are split into updates does not change the value. Others (audio signals, images, text, a user's
@@ -83,14 +83,10 @@ class LogCadence(Callback):
 def _gated(log: Any, trainer: Trainer, pl_module: LightningModule) -> Any:
     def gated_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         # Only keyword calls are judged; a call passing on_step/on_epoch by position is always logged.
-        if not args and trainer.training and not trainer.fast_dev_run:
-            hook = pl_module._current_fx_name
-            if _FxValidator.functions.get(hook) is not None and not trainer._logger_connector.should_update_logs:
-                on_step, on_epoch = _FxValidator.get_default_logging_levels(
-                    hook, kwargs.get("on_step"), kwargs.get("on_epoch")
-                )
-                if on_step and not on_epoch:
-                    return
+        if not args and trainer.training and not trainer.fast_dev_run and not logs_this_step(trainer):
+            levels = default_logging_levels(current_hook(pl_module), kwargs.get("on_step"), kwargs.get("on_epoch"))
+            if levels is not None and levels[0] and not levels[1]:  # on_step only
+                return
         log(name, value, *args, **kwargs)
 
     return gated_log
@@ -100,11 +96,11 @@ def _training_metrics(module: nn.Module) -> Iterator[Metric]:
     """The module's per-sample metrics, whose updates may be queued: not inside a MetricCollection or a wrapper.
 
     A MetricCollection's compute groups share state between its metrics and a wrapper reads its inner metrics'
-    states directly, so neither is descended into; metrics that need gradients are left alone too.
+    states directly, so neither is descended into.
     """
     for child in module.children():
         if isinstance(child, Metric):
-            if _per_sample(child) and not isinstance(child, WrapperMetric) and not child._enable_grad:
+            if _per_sample(child) and not isinstance(child, WrapperMetric):
                 yield child
         elif not isinstance(child, MetricCollection):
             yield from _training_metrics(child)
@@ -140,7 +136,7 @@ class _MetricQueue:
         metric.reset = self._reset
 
     def _update(self, *args: Any, **kwargs: Any) -> None:
-        if self.passthrough or self.pl_module._current_fx_name != "training_step":
+        if self.passthrough or current_hook(self.pl_module) != "training_step":
             self.flush()
             self.update(*args, **kwargs)
             return

@@ -26,12 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 import template
-from template.engine import (
-    checkpoints,
-    internals,
-    stateful_data,  # noqa: F401 - the import lets Lightning split StatefulDataLoaders
-    wiring,
-)
+from template.engine import checkpoints, internals, wiring
 from template.engine.cadence import LogCadence
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group

@@ -8,6 +8,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from template.engine.errors import ConfigError
+from template.engine.internals import is_compiled_in_place
 
 
 class CompileNetwork(Callback):
@@ -42,12 +43,12 @@ class CompileNetwork(Callback):
         # Callbacks' setup runs before the strategy wraps the model (DDP, dp), so the wrappers see a compiled net.
         if not self.enabled:
             return
-        net = pl_module._modules.get(self.module_name)
+        net = dict(pl_module.named_children()).get(self.module_name)
         if not isinstance(net, nn.Module):
             names = [name for name, _ in pl_module.named_children()]
             raise ConfigError(
                 f"compile.module_name='{self.module_name}' is not a network of {type(pl_module).__name__} (its "
                 f"modules: {names}); set --compile.module_name to the attribute holding the network"
             )
-        if getattr(net, "_compiled_call_impl", None) is None:
+        if not is_compiled_in_place(net):
             net.compile(**self.options)

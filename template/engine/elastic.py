@@ -9,6 +9,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import Trainer
 
+from template.engine.internals import process_group_backend, process_group_timeout
+
 
 def join_restarted_group(trainer: Trainer) -> None:
     """After a torchrun restart, create the process group under a key prefix of its own attempt.
@@ -22,14 +24,17 @@ def join_restarted_group(trainer: Trainer) -> None:
     environment = getattr(strategy, "cluster_environment", None)
     if restart == 0 or not isinstance(environment, TorchElasticEnvironment) or dist.is_initialized():
         return
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not hasattr(strategy, "_get_process_group_backend"):
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
-    timeout = getattr(strategy, "_timeout", None) or timedelta(minutes=30)
+    backend = process_group_backend(strategy)
+    if backend is None:
+        return
+    timeout = process_group_timeout(strategy) or timedelta(minutes=30)
     store = dist.TCPStore(
         environment.main_address, environment.main_port, environment.world_size(), is_master=False, timeout=timeout
     )
     dist.init_process_group(
-        strategy._get_process_group_backend(),
+        backend,
         store=dist.PrefixStore(f"attempt_{restart}", store),
         rank=environment.global_rank(),
         world_size=environment.world_size(),

@@ -1,12 +1,25 @@
 """The private names of other packages that the engine relies on, each behind one small function, in one place.
 
-A release that renames one fails its test in tests/test_internals_cli.py instead of silently switching a feature off.
+Lightning, jsonargparse and torch keep no promise about names that start with an underscore. Every such access of
+the engine goes through this module, and ``tests/test_internals.py`` exercises each one for real, so that a release
+that renames or changes one fails a test instead of silently switching a guarantee off (no hang watchdog, an
+inexact resume). At run time a missing name raises ``InternalsChanged`` naming the package, its installed version
+and the name: the fix is to install a version in the tested range (README, "Tested versions").
 """
 
 from __future__ import annotations
 
+import functools
+import subprocess
+from collections.abc import Callable
+from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from torch import nn
 
 
 class InternalsChanged(RuntimeError):
@@ -31,7 +44,166 @@ def _require(obj: Any, attribute: str, package: str, needed_for: str) -> Any:
         raise _changed(package, f"{type(obj).__name__}.{attribute}", needed_for) from None
 
 
-# --- used by the command line ---
+# ---------------------------------------------------------------------------------------------------------------------
+# Lightning: process groups (watchdog, torchrun restarts)
+
+# The strategies that create a torch.distributed process group with a timeout (DeepSpeed derives from DDP).
+PROCESS_GROUP_STRATEGIES: tuple[type[Strategy], ...] = (DDPStrategy, FSDPStrategy, ModelParallelStrategy)
+
+
+def process_group_timeout(strategy: Strategy) -> timedelta | None:
+    """The timeout the strategy will give its process group; None for a strategy without one (one device, dp).
+
+    The hang watchdog reads it to tell Lightning's default (nobody chose one) from a ``timeout=`` a user set;
+    Lightning keeps it in ``strategy._timeout`` and passes it to ``init_process_group`` in ``setup_distributed``.
+    """
+    if not isinstance(strategy, PROCESS_GROUP_STRATEGIES):
+        return None
+    return _require(strategy, "_timeout", "lightning", "the hang watchdog (watchdog.timeout)")
+
+
+def set_process_group_timeout(strategy: Strategy, timeout: timedelta) -> None:
+    """Give the process group this timeout: the watchdog's bound on a hung collective.
+
+    Must run before ``setup_distributed`` (the process group is created with it). ``DDPStrategy(timeout=...)`` is the
+    public way, but the Trainer builds the strategy from a name, so the watchdog sets it on the built strategy.
+    """
+    if not isinstance(strategy, PROCESS_GROUP_STRATEGIES):
+        raise TypeError(f"{type(strategy).__name__} creates no process group; nothing to time out")
+    _require(strategy, "_timeout", "lightning", "the hang watchdog (watchdog.timeout)")
+    strategy._timeout = timeout
+
+
+def process_group_backend(strategy: Strategy) -> str | None:
+    """The backend (gloo, nccl) the strategy will create its process group with; None for one without a group.
+
+    After a torchrun restart the engine creates the process group itself (under a fresh store prefix) before
+    Lightning does, and must use the backend Lightning would have chosen: ``_get_process_group_backend()`` applies
+    the user's ``process_group_backend`` or the device's default. The public ``process_group_backend`` property is
+    only set once Lightning has created the group.
+    """
+    if not isinstance(strategy, PROCESS_GROUP_STRATEGIES):
+        return None
+    backend = _require(strategy, "_get_process_group_backend", "lightning", "joining a restarted torchrun group")
+    return backend()
+
+
+def launched_children(trainer: Trainer) -> list[subprocess.Popen] | None:
+    """The child ranks this process started with Lightning's script launcher (``strategy: ddp``), or None.
+
+    The hang watchdog kills them when this process fails, or a hung rank outlives the job. Lightning's launcher
+    (``_SubprocessScriptLauncher``) keeps them in ``procs``; it is the launcher of ``ddp`` on CPU and on GPUs.
+    """
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if not isinstance(launcher, _SubprocessScriptLauncher):
+        return None
+    procs = _require(launcher, "procs", "lightning", "the hang watchdog (killing hung child ranks)")
+    return list(procs) or None
+
+
+def cluster_environment(trainer: Trainer) -> Any:
+    """The cluster environment (SLURM, torchrun, ...) the Trainer detected, also under a single-device strategy.
+
+    Preemption reads SLURM's requeue signal and ``auto_requeue`` from it. Only parallel strategies expose it
+    publicly (``strategy.cluster_environment``); Lightning's own signal handling reads the accelerator connector's.
+    """
+    connector = _require(trainer, "_accelerator_connector", "lightning", "preemption (SLURM requeue signal)")
+    return _require(connector, "cluster_environment", "lightning", "preemption (SLURM requeue signal)")
+
+
+def stop_as_on_sigterm(trainer: Trainer) -> None:
+    """Make Lightning end the run as it does on SIGTERM: after this step, raising ``SIGTERMException``.
+
+    ``trainer.should_stop`` would end the run quietly (exit 0, validation still run); preemption needs the SIGTERM
+    path, which ends the loop at once and raises the exception that gives the job its exit code. Lightning's own
+    handler sets ``trainer._signal_connector.received_sigterm``, which ``trainer.received_sigterm`` reads.
+    """
+    connector = _require(trainer, "_signal_connector", "lightning", "preemption (stopping on a signal)")
+    _require(connector, "received_sigterm", "lightning", "preemption (stopping on a signal)")
+    connector.received_sigterm = True
+
+
+def layer_sync_enabled(strategy: Strategy) -> bool:
+    """Whether ``sync_batchnorm`` was asked for: the accelerator connector hands the strategy a ``_layer_sync``.
+
+    ``strategy: dp`` refuses it (SyncBatchNorm works only between processes) rather than silently ignoring it.
+    """
+    return _require(strategy, "_layer_sync", "lightning", "strategy dp's sync_batchnorm check") is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Lightning: logging and loops (log cadence, exact resume)
+
+
+def current_hook(pl_module: LightningModule) -> str | None:
+    """The LightningModule hook running now (``training_step``...), as Lightning tracks it for ``self.log``.
+
+    The log cadence gates only step-level calls from training hooks, and the metric queue only ``training_step``'s
+    updates; Lightning's ``self.log`` itself validates the hook from ``_current_fx_name``.
+    """
+    return _require(pl_module, "_current_fx_name", "lightning", "log_cadence")
+
+
+def default_logging_levels(hook: str, on_step: bool | None, on_epoch: bool | None) -> tuple[bool, bool] | None:
+    """``(on_step, on_epoch)`` that ``self.log`` resolves in ``hook`` when not given; None where it cannot log.
+
+    The log cadence skips only calls that are step-only, by Lightning's own defaults per hook (``_FxValidator``).
+    """
+    validator = _fx_validator()
+    if validator.functions.get(hook) is None:
+        return None
+    return validator.get_default_logging_levels(hook, on_step, on_epoch)
+
+
+@functools.cache
+def _fx_validator() -> Any:
+    # Looked up once: the log cadence asks on every gated self.log call.
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+    except ImportError:
+        raise _changed("lightning", "fx_validator._FxValidator", "log_cadence") from None
+    for name in ("functions", "get_default_logging_levels"):
+        _require(_FxValidator, name, "lightning", "log_cadence")
+    return _FxValidator
+
+
+def logs_this_step(trainer: Trainer) -> bool:
+    """Whether the loggers write step values at this step (every ``log_every_n_steps``, and when stopping).
+
+    The log cadence skips a step-only ``self.log`` exactly when this is False: the value would be overwritten by the
+    next step's before any logger sees it. Lightning decides it in ``_logger_connector.should_update_logs``.
+    """
+    connector = _require(trainer, "_logger_connector", "lightning", "log_cadence")
+    return bool(_require(connector, "should_update_logs", "lightning", "log_cadence"))
+
+
+def fit_data_fetcher(trainer: Trainer) -> Any:
+    """The fit loop's data fetcher, which holds the iterator of the epoch being trained.
+
+    Exact resume restores a sampler's generator after Lightning has built the epoch's iterator, and then builds it
+    again (``iter(fetcher)``) so that the epoch draws from the restored state, as the uninterrupted run did.
+    """
+    return _require(trainer.fit_loop, "_data_fetcher", "lightning", "exact resume (sampler generators)")
+
+
+def built_by_lightning_cli() -> bool:
+    """Whether the LightningModule being constructed now is built by LightningCLI (True) or by hand (False).
+
+    LightningCLI hands ``save_hyperparameters`` the module's configuration (``class_path`` dicts), from which
+    ``load_from_checkpoint`` rebuilds the network and optimiser; built by hand those arguments are objects, which a
+    ``weights_only`` checkpoint cannot hold. LightningCLI publishes the configuration in the context variable
+    ``_given_hyperparameters`` while it calls the class.
+    """
+    from lightning.pytorch.core.mixins import hparams_mixin
+
+    given = _require(hparams_mixin, "_given_hyperparameters", "lightning", "saving hyper-parameters")
+    return given.get() is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Lightning and jsonargparse: the command line (engine/cli.py)
 
 
 def print_config_action() -> Any:
@@ -53,3 +225,60 @@ def instantiator_class() -> type:
     except ImportError:
         raise _changed("lightning", "cli._InstantiatorFn", "the model's hyper-parameters") from None
     return _InstantiatorFn
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torch: in-place compilation (compile, strategy dp) and learning-rate schedulers (scaling)
+
+
+def _compiled_call_check(module: nn.Module) -> None:
+    # torch declares it on the class (None) and ``nn.Module.compile`` sets it on the instance.
+    if not hasattr(nn.Module, "_compiled_call_impl"):
+        raise _changed("torch", "nn.Module._compiled_call_impl", "torch.compile of the network (compile, dp)")
+
+
+def is_compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` has run on this module (torch keeps the compiled call in ``_compiled_call_impl``).
+
+    ``nn.Module.compile`` has no public query; compiling twice would wrap the compiled call again.
+    """
+    _compiled_call_check(module)
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def set_compiled_call(module: nn.Module, call: Callable[..., Any]) -> None:
+    """Make ``module(...)`` run ``call`` instead of its eager forward, as ``module.compile()`` does.
+
+    Strategy dp's replicas copy the original's compiled call, which is bound to the original's weights; each replica
+    gets a call bound to itself.
+    """
+    _compiled_call_check(module)
+    module._compiled_call_impl = call
+
+
+def eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module`` with its hooks but without its compiled call (``_call_impl``): what a compiled call wraps."""
+    call = _require(module, "_call_impl", "torch", "torch.compile under strategy dp")
+    return call(*args, **kwargs)
+
+
+def child_schedulers(scheduler: Any) -> list[Any]:
+    """The schedulers that ``SequentialLR`` and ``ChainedScheduler`` hold (in ``_schedulers``); [] for others.
+
+    Learning-rate scaling must scale the rates those inner schedulers keep, or the next milestone undoes it.
+    """
+    if isinstance(scheduler, (torch.optim.lr_scheduler.SequentialLR, torch.optim.lr_scheduler.ChainedScheduler)):
+        return list(_require(scheduler, "_schedulers", "torch", "learning-rate scaling (scaling.lr_scaling)"))
+    return []
+
+
+def last_lr_attribute(scheduler: Any) -> str | None:
+    """The attribute where a torch scheduler keeps the rates ``get_last_lr()`` returns; None for other objects.
+
+    Learning-rate scaling rewrites them with the others, so that ``get_last_lr()`` and the logged rate agree.
+    """
+    schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not isinstance(scheduler, schedulers):
+        return None
+    _require(scheduler, "_last_lr", "torch", "learning-rate scaling (scaling.lr_scaling)")
+    return "_last_lr"

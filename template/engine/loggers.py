@@ -69,11 +69,13 @@ class CSVLogger(_TimedSave, _CSVLogger):
     def __init__(self, *args: Any, resume: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._resume = resume
+        self._rows_kept = False
 
     @property
     def experiment(self) -> Any:
-        if self._experiment is not None or not self._resume or rank_zero_only.rank != 0:
+        if self._rows_kept or not self._resume or rank_zero_only.rank != 0:
             return super().experiment
+        self._rows_kept = True  # the first call creates Lightning's writer; later calls only return it
         path = Path(self.log_dir) / "metrics.csv"
         rows = _read_rows(path)  # Lightning's writer deletes an existing metrics.csv when it starts
         writer = super().experiment
@@ -108,7 +110,7 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
             self._resume = False
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-            writer = self.experiment._get_file_writer()
+            writer = self.experiment.file_writer  # SummaryWriter opens its event file when it is built
             writer.add_event(Event(step=step, file_version="brain.Event:2"))
             writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
         super().log_metrics(metrics, step)

@@ -18,6 +18,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from template.engine.internals import cluster_environment, stop_as_on_sigterm
+
 INTERRUPTED = "interrupted.ckpt"
 _REQUEUE_TIMEOUT = 60  # seconds; scontrol answers in well under a second on a healthy controller
 
@@ -66,7 +68,7 @@ class Preemption(Callback):
         after = f" {time.monotonic() - self.signalled_at:.2f} s after the signal" if self.signalled_at else ""
         rank_zero_info(f"Stopping on {signal.Signals(signum).name}: checkpoint {path} written{after}; {then}")
         # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling.
-        trainer._signal_connector.received_sigterm = True
+        stop_as_on_sigterm(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._stopping is not None and isinstance(exception, SIGTERMException):
@@ -90,14 +92,14 @@ def _checkpoint_dir(trainer: Trainer) -> str:
 
 
 def _requeue_signal(trainer: Trainer) -> int:
-    environment = trainer._accelerator_connector.cluster_environment
+    environment = cluster_environment(trainer)
     if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
         return environment.requeue_signal
     return signal.SIGUSR1
 
 
 def _auto_requeue(trainer: Trainer) -> bool:
-    environment = trainer._accelerator_connector.cluster_environment
+    environment = cluster_environment(trainer)
     return isinstance(environment, SLURMEnvironment) and environment.auto_requeue
 
 

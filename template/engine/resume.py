@@ -12,6 +12,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
+from template.engine import internals
+
 try:
     import numpy as np
 except ImportError:  # numpy is optional for torch; without it there is no NumPy generator to save
@@ -89,11 +91,10 @@ class RNGStateCheckpoint(Callback):
                     generator.set_state(saved)
                     restored = True
             self._pending_samplers = None
-            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-            if restored and fetcher is not None:
+            if restored:
                 # Lightning built the epoch's iterator before this hook, drawing from the generator's old state;
                 # a new one draws from the restored state, as the uninterrupted run did.
-                iter(fetcher)
+                iter(internals.fit_data_fetcher(trainer))
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not stateful:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(

@@ -13,13 +13,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.engine.errors import ConfigError
+from template.engine.internals import child_schedulers, last_lr_attribute
 
 LRScaling = Literal["none", "linear", "sqrt"]
 
 # Every learning rate a schedule keeps in the optimizer's param groups (OneCycleLR keeps max_lr and min_lr there).
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 # ...and on the scheduler itself (CyclicLR keeps max_lrs). Floors such as ReduceLROnPlateau's min_lrs stay absolute.
-_SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs", "_last_lr")
+_SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs")
 
 
 def per_process_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
@@ -54,8 +55,10 @@ def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], schedulers
     while pending:
         scheduler = pending.pop()
         # SequentialLR and ChainedScheduler hold the schedulers that do the work.
-        pending.extend(getattr(scheduler, "_schedulers", []))
-        for attribute in _SCHEDULER_LR_ATTRIBUTES:
+        pending.extend(child_schedulers(scheduler))
+        for attribute in (*_SCHEDULER_LR_ATTRIBUTES, last_lr_attribute(scheduler)):
+            if attribute is None:
+                continue
             values = getattr(scheduler, attribute, None)
             if isinstance(values, list):
                 setattr(scheduler, attribute, [_times(v, factor) for v in values])

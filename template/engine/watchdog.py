@@ -12,9 +12,9 @@ from datetime import timedelta
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from template.engine.errors import ConfigError
+from template.engine.internals import launched_children, process_group_timeout, set_process_group_timeout
 
 _PR_SET_PDEATHSIG = 1
 
@@ -43,18 +43,18 @@ class HangWatchdog(Callback):
         strategy = trainer.strategy
         # DDP, FSDP and DeepSpeed keep the process-group timeout here. Lightning's default (30 min) means nobody
         # chose one; an explicit DDPStrategy(timeout=...) is kept.
-        if getattr(strategy, "_timeout", None) == default_pg_timeout:
-            strategy._timeout = timedelta(seconds=self.timeout)
+        if process_group_timeout(strategy) == default_pg_timeout:
+            set_process_group_timeout(strategy, timedelta(seconds=self.timeout))
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if trainer.local_rank > 0 and _launched_children(trainer) is None:
+        if trainer.local_rank > 0 and launched_children(trainer) is None:
             # A child rank dies with the process that started it (Lightning's launcher, torchrun's agent), even
             # when that one is SIGKILLed and runs no cleanup: a hung child would otherwise live on as an orphan.
             _die_with_parent()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """The launcher is failing: stop the ranks it started, or a hung one would be left orphaned."""
-        children = _launched_children(trainer)
+        children = launched_children(trainer)
         if not children:
             return
         timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
@@ -85,14 +85,6 @@ class HangWatchdog(Callback):
         for proc in alive:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-
-
-def _launched_children(trainer: Trainer) -> list[subprocess.Popen] | None:
-    """The child ranks this process started with Lightning's script launcher, or None if it started none."""
-    launcher = getattr(trainer.strategy, "launcher", None)
-    if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
-        return list(launcher.procs)
-    return None
 
 
 def _die_with_parent() -> None:

@@ -9,14 +9,16 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor, nn
+from typing_extensions import override
 
 from template.engine.errors import ConfigError
+from template.engine.internals import eager_call, is_compiled_in_place, layer_sync_enabled, set_compiled_call
 
 # Shipped with the project: the data-parallel run that needs no GPU.
 CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"
@@ -44,7 +46,7 @@ class ParallelForward(nn.DataParallel):
 
 
 def _run_replica(replica: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return replica._call_impl(*args, **kwargs)
+    return eager_call(replica, *args, **kwargs)
 
 
 @functools.cache
@@ -57,13 +59,13 @@ def _compiled_replica_call() -> Callable[..., Any]:
 def share_compiled_call(module: nn.Module, replicas: Sequence[nn.Module]) -> Sequence[nn.Module]:
     """Replicas of a network compiled in place (``net.compile()``) that run compiled code on their own weights.
 
-    A replica copies the original's ``_compiled_call_impl``, which is bound to the original module: it would run
-    the first GPU's weights on every GPU's inputs.
+    A replica copies the original's compiled call, which is bound to the original module: it would run the first
+    GPU's weights on every GPU's inputs.
     """
-    if getattr(module, "_compiled_call_impl", None) is None:
+    if not is_compiled_in_place(module):
         return replicas
     for replica in replicas:
-        replica._compiled_call_impl = functools.partial(_compiled_replica_call(), replica)
+        set_compiled_call(replica, functools.partial(_compiled_replica_call(), replica))
     return replicas
 
 
@@ -133,14 +135,20 @@ class DataParallelStrategy(ParallelStrategy):
     def set_world_ranks(self) -> None:
         """Check the settings: the connector calls this once it has set the accelerator, devices, num_nodes and sync."""
         devices = [device.index for device in self.parallel_devices or []]
-        check_dp_settings(self.accelerator, devices, self.num_nodes, sync_batchnorm=self._layer_sync is not None)
+        check_dp_settings(self.accelerator, devices, self.num_nodes, sync_batchnorm=layer_sync_enabled(self))
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        net = model._modules.get(self.module_name)
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        assert self.model is not None
+        self._parallelise_network(self.model)
+
+    def _parallelise_network(self, model: nn.Module) -> None:
+        net = dict(model.named_children()).get(self.module_name)
         if net is None:
             raise ConfigError(
                 f"strategy dp parallelises the LightningModule's network `{self.module_name}`, but "
@@ -153,7 +161,6 @@ class DataParallelStrategy(ParallelStrategy):
         # Shadow the attribute, keep the registered child: `self.net(x)` runs the replicas while parameters(),
         # state_dict() keys, .to() and train()/eval() still see the plain network (no `module.` prefix).
         object.__setattr__(model, self.module_name, wrapped)
-        return model
 
     def process_dataloader(self, dataloader: object) -> object:
         batch_size = getattr(dataloader, "batch_size", None)
@@ -188,7 +195,7 @@ class DataParallelStrategy(ParallelStrategy):
         super().teardown()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:  # Lightning's StrategyRegistry
         # Lightning 2.x has no "dp" of its own; override keeps re-registration harmless.
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__, override=True)
 

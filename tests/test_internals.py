@@ -1,0 +1,338 @@
+"""Every private name the engine reaches in another package (engine/internals.py), exercised for real.
+
+A release of Lightning, jsonargparse, torchdata or torch that renames or changes one of them fails here, instead of
+silently switching a guarantee off (the hang watchdog, exact resume, log cadence, preemption).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+from jsonargparse import ArgumentParser
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import nn
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from template.engine import internals
+from template.engine.scaling import scale_learning_rates
+from template.engine.stateful_data import RandomSampler
+from template.engine.watchdog import HangWatchdog
+
+
+def _trainer(**kwargs) -> Trainer:  # noqa: ANN003
+    options = {
+        "accelerator": "cpu", "devices": 1, "max_steps": 3, "limit_val_batches": 0, "logger": False,
+        "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+    }  # fmt: skip
+    return Trainer(**{**options, **kwargs})
+
+
+class _Recording(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+
+def test_missing_name_fails_loudly_with_package_version_and_fix() -> None:
+    with pytest.raises(internals.InternalsChanged, match=r"lightning \d+\.\d+.*`object\._timeout`.*README"):
+        internals._require(object(), "_timeout", "lightning", "the hang watchdog")
+
+
+# --- process groups -------------------------------------------------------------------------------------------------
+
+
+def test_watchdog_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """``strategy._timeout``: the watchdog's timeout is what Lightning passes to ``init_process_group``."""
+    import torch.distributed as dist
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    trainer = _trainer(strategy="ddp", default_root_dir=tmp_path)
+    strategy = trainer.strategy
+    assert internals.process_group_timeout(strategy) == default_pg_timeout
+    HangWatchdog(timeout=7).arm(trainer)
+    assert internals.process_group_timeout(strategy) == timedelta(seconds=7)
+    assert internals.process_group_backend(strategy) == "gloo"
+
+    created = {}
+    real = dist.init_process_group
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        created.update(kwargs, backend=args[0] if args else kwargs.get("backend"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", recording)
+    try:
+        strategy.setup_distributed()
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert created["timeout"] == timedelta(seconds=7) and created["backend"] == "gloo"
+
+
+def test_an_explicit_strategy_timeout_is_kept() -> None:
+    trainer = _trainer(strategy=DDPStrategy(timeout=timedelta(seconds=42)))
+    HangWatchdog(timeout=7).arm(trainer)
+    assert internals.process_group_timeout(trainer.strategy) == timedelta(seconds=42)
+
+
+def test_no_process_group_no_timeout() -> None:
+    strategy = _trainer().strategy
+    assert internals.process_group_timeout(strategy) is None and internals.process_group_backend(strategy) is None
+
+
+def test_launched_children_are_the_ddp_launchers_processes() -> None:
+    """``_SubprocessScriptLauncher.procs``: the watchdog finds the ranks it must kill."""
+    trainer = _trainer(strategy="ddp", devices=2)
+    assert internals.launched_children(trainer) is None  # nothing launched yet
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        trainer.strategy.launcher.procs.append(child)
+        assert internals.launched_children(trainer) == [child]
+    finally:
+        child.wait(timeout=60)
+    assert internals.launched_children(_trainer()) is None
+
+
+def test_cluster_environment_under_a_single_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_accelerator_connector.cluster_environment``: preemption reads SLURM's requeue settings from it."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "job", "SLURM_PROCID": "0",
+                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    environment = SLURMEnvironment(auto_requeue=False, requeue_signal=signal.SIGHUP)
+    trainer = _trainer(plugins=[environment])
+    assert isinstance(trainer.strategy, SingleDeviceStrategy)
+    found = internals.cluster_environment(trainer)
+    assert found is environment and found.requeue_signal == signal.SIGHUP
+
+
+def test_stop_as_on_sigterm_ends_the_run_with_sigterm_exception() -> None:
+    """``_signal_connector.received_sigterm``: the run stops after this step and raises what gives the exit code."""
+
+    class StopAtStep2(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # noqa: ANN001, ANN002
+            if trainer.global_step == 2:
+                internals.stop_as_on_sigterm(trainer)
+
+    trainer = _trainer(max_steps=10, callbacks=[StopAtStep2()])
+    with pytest.raises(SIGTERMException):
+        trainer.fit(BoringModel())
+    assert trainer.global_step == 2 and trainer.received_sigterm
+
+
+def test_layer_sync_follows_sync_batchnorm() -> None:
+    """``strategy._layer_sync``: strategy dp refuses sync_batchnorm instead of ignoring it."""
+    assert internals.layer_sync_enabled(_trainer(strategy="ddp", sync_batchnorm=True).strategy)
+    assert not internals.layer_sync_enabled(_trainer(strategy="ddp").strategy)
+
+
+# --- logging and loops ----------------------------------------------------------------------------------------------
+
+
+def test_current_hook_names_the_running_hook() -> None:
+    """``LightningModule._current_fx_name``: the cadence gate and the metric queue act in training_step only."""
+
+    class Model(_Recording):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            self.seen.append(internals.current_hook(self))
+            return super().training_step(batch, batch_idx)
+
+        def on_train_epoch_end(self) -> None:
+            self.seen.append(internals.current_hook(self))
+
+    model = Model()
+    _trainer(max_steps=2, limit_train_batches=2).fit(model)
+    assert model.seen == ["training_step", "training_step", "on_train_epoch_end"]
+
+
+def test_default_logging_levels_are_lightnings_own() -> None:
+    """``_FxValidator``: what ``self.log`` resolves on_step/on_epoch to in each hook, and where it cannot log."""
+    assert internals.default_logging_levels("training_step", None, None) == (True, False)
+    assert internals.default_logging_levels("training_step", None, True) == (True, True)
+    assert internals.default_logging_levels("on_train_epoch_end", None, None) == (False, True)
+    assert internals.default_logging_levels("validation_step", None, None) == (False, True)
+    assert internals.default_logging_levels("on_fit_start", None, None) is None
+
+
+def test_logs_this_step_is_when_loggers_receive_step_values() -> None:
+    """``_logger_connector.should_update_logs``: True exactly on the steps the loggers are handed step values."""
+
+    class StepLogger(Logger):
+        name, version = "steps", 0
+        written: list[int] = []
+
+        def log_metrics(self, metrics, step=None) -> None:  # noqa: ANN001
+            if "loss" in metrics:
+                self.written.append(step)
+
+        def log_hyperparams(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            pass
+
+    class Model(_Recording):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            out = super().training_step(batch, batch_idx)
+            self.seen.append(internals.logs_this_step(self.trainer))
+            self.log("loss", out["loss"])
+            return out
+
+    model, logger = Model(), StepLogger()
+    _trainer(max_steps=7, logger=logger, log_every_n_steps=3).fit(model)
+    assert model.seen == [False, False, True, False, False, True, False]
+    assert logger.written == [2, 5]
+
+
+def test_rebuilding_the_fetchers_iterator_draws_from_a_restored_generator() -> None:
+    """``fit_loop._data_fetcher``: exact resume rebuilds the epoch's iterator after restoring a sampler generator."""
+    dataset = RandomDataset(32, 12)
+    generator = torch.Generator().manual_seed(1)
+    restored = torch.Generator().manual_seed(123).get_state()
+    expected = [b for b in DataLoader(dataset, batch_size=4, sampler=torch.utils.data.RandomSampler(
+        dataset, generator=torch.Generator().manual_seed(0).set_state(restored)))]  # fmt: skip
+
+    class Restore(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            generator.set_state(restored)
+            iter(internals.fit_data_fetcher(trainer))
+
+    class Model(_Recording):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            self.seen.append(batch.clone())
+            return super().training_step(batch, batch_idx)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(
+                dataset, batch_size=4, sampler=torch.utils.data.RandomSampler(dataset, generator=generator)
+            )
+
+    model = Model()
+    _trainer(max_steps=3, callbacks=[Restore()]).fit(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.seen, expected, strict=True))
+
+
+def test_built_by_lightning_cli_tells_the_cli_from_a_hand_built_module() -> None:
+    """``hparams_mixin._given_hyperparameters``: set while LightningCLI builds the module, not otherwise."""
+    from lightning.pytorch.cli import LightningCLI
+
+    class Model(BoringModel):
+        def __init__(self, width: int = 2) -> None:
+            super().__init__()
+            self.by_cli = internals.built_by_lightning_cli()
+
+    assert Model().by_cli is False
+    cli = LightningCLI(Model, run=False, args=["--trainer.logger=false"], save_config_callback=None)
+    assert cli.model.by_cli is True
+
+
+# --- the command line ------------------------------------------------------------------------------------------------
+
+
+def test_print_config_can_be_deferred_and_then_printed(capsys: pytest.CaptureFixture) -> None:
+    action = internals.print_config_action()
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--print_config", action=action)
+    parser.add_argument("--epochs", type=int, default=1)
+    with action.skip_print_config():
+        config = parser.parse_args(["--epochs=3", "--print_config"])
+    assert capsys.readouterr().out == ""  # deferred: the run may still change the config
+    config.epochs = 4
+    with pytest.raises(SystemExit) as exit_info:
+        action.print_config_if_requested(parser, config)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == "epochs: 4"
+
+
+def test_lightning_instantiator_records_the_links_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["probe"])  # LightningCLI would parse pytest's own arguments
+    instantiator = internals.instantiator_class()
+
+    class Probe(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            self.hparams_seen = None
+            call = instantiator(cli=self, key="model")
+
+            class Recording(LightningModule):
+                def __init__(self, size: int = 1) -> None:
+                    super().__init__()
+                    self.save_hyperparameters()
+
+            module = call(Recording, size=5, applied_instantiation_links={"model.size": 5})
+            raise _Stop(dict(module.hparams))
+
+    with pytest.raises(_Stop) as stop:
+        Probe(BoringModel, args=["fit"], save_config_callback=None, seed_everything_default=0)
+    assert stop.value.args[0]["size"] == 5
+
+
+class _Stop(Exception):
+    """Ends a LightningCLI right after its parse, carrying what a probe found."""
+
+
+# --- torch -----------------------------------------------------------------------------------------------------------
+
+
+def test_compiled_call_in_place() -> None:
+    """``nn.Module._compiled_call_impl`` and ``_call_impl``: compile detection and dp's per-replica compiled call."""
+    net = nn.Linear(3, 2)
+    assert not internals.is_compiled_in_place(net)
+    net.compile()  # lazy: nothing is compiled before the first call
+    assert internals.is_compiled_in_place(net)
+
+    replica = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    internals.set_compiled_call(replica, lambda *args, **kwargs: "compiled call")
+    assert replica(x) == "compiled call"
+    assert torch.equal(internals.eager_call(replica, x), nn.functional.linear(x, replica.weight, replica.bias))
+
+
+def test_scaling_reaches_sequential_and_last_lr() -> None:
+    """``SequentialLR._schedulers`` and ``_last_lr``: a scaled rate survives the milestone and get_last_lr agrees."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    first = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=1)
+    second = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)
+    sequential = torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second], milestones=[2])
+    assert internals.child_schedulers(sequential) == [first, second]
+    assert internals.child_schedulers(first) == []
+    assert internals.last_lr_attribute(second) == "_last_lr" and internals.last_lr_attribute(object()) is None
+
+    scale_learning_rates([optimizer], [sequential], 2.0)
+    assert sequential.get_last_lr() == pytest.approx([0.2])
+    for _ in range(3):
+        optimizer.step()
+        sequential.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)  # past the milestone: still scaled
+
+
+# --- torchdata and Lightning's sampler replacement ------------------------------------------------------------------
+
+
+def test_resumable_sampler_is_a_torch_random_sampler_and_resumes_mid_epoch() -> None:
+    """``torchdata.stateful_dataloader.sampler.RandomSampler``: Lightning shards it (a torch RandomSampler, see
+    tests/test_data.py's DDP runs) and StatefulDataLoader resumes it exactly in one process."""
+    dataset = torch.arange(40)
+    sampler = RandomSampler(dataset)
+    assert isinstance(sampler, torch.utils.data.RandomSampler)
+    loader = StatefulDataLoader(dataset, batch_size=4, sampler=sampler)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    rest = [b.tolist() for b in batches]
+
+    resumed = StatefulDataLoader(dataset, batch_size=4, sampler=RandomSampler(dataset))
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == rest and len(rest) == 7
