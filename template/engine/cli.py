@@ -35,6 +35,7 @@ from template.engine.gpus import add_gpu_arguments, apply_matmul_precision, reso
 from template.engine.loggers import default_loggers
 from template.engine.predictions import PredictionWriter
 from template.engine.preemption import Preemption
+from template.engine.provenance import Provenance
 from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
 from template.engine.run import RunConfigCallback, RunOptions, continue_run, periodic_checkpoint
 from template.engine.scaling import BatchScaling
@@ -163,7 +164,12 @@ class CLI(LightningCLI):
             # every 10th is as readable. A progress bar in trainer.callbacks replaces this one.
             kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=10)])
         if self.subcommand == "fit":
-            kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), Preemption(), *periodic_checkpoint(run)]
+            kwargs["callbacks"] = [
+                *kwargs.get("callbacks", callbacks),
+                Preemption(),
+                Provenance(),  # after Preemption: it reads the signal Preemption stopped on
+                *periodic_checkpoint(run),
+            ]
         try:
             # `devices: free:N` becomes a list of GPU indices before anything reads it (here, dp's checks, Lightning).
             resolve_free_devices(trainer_config)
@@ -345,6 +351,12 @@ def main(args: list[str] | None = None) -> None:
             from template.engine.export import main as export_main
 
             export_main(argv[1:])
+            return
+        if argv[:1] == ["runs"]:
+            # Reads the run folders' files only: no Trainer, no user code.
+            from template.engine.runs import main as runs_main
+
+            runs_main(argv[1:])
             return
         build_cli(args)
     except ConfigError as err:
