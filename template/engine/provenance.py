@@ -188,4 +188,3 @@ class Provenance(Callback):
         text = json.dumps({"starts": entries}, indent=1)
         self._path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self._path, lambda f: f.write(text.encode()))
-
