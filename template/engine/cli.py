@@ -40,6 +40,7 @@ from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
 from template.engine.run import RunConfigCallback, RunOptions, continue_run, periodic_checkpoint
 from template.engine.scaling import BatchScaling
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
+from template.engine.trackers import TrackerRuns, resume_trackers
 from template.engine.watchdog import HangWatchdog
 
 # The example the command line runs unless a config names another LightningModule or DataModule.
@@ -140,6 +141,8 @@ class CLI(LightningCLI):
         run = getattr(self, "_run", None)
         logger = trainer_config.get("logger")
         trackers = self._get(self.config_init, "trackers") or []
+        # A restarted named run continues its MLflow and W&B runs instead of opening new ones.
+        trackers = resume_trackers(trackers, self._get(self.config, "trackers") or [], run and run.directory)
         if logger in (None, True):
             name, resume = (run.name, run.resume) if run is not None else (None, False)
             # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
@@ -168,6 +171,7 @@ class CLI(LightningCLI):
                 *kwargs.get("callbacks", callbacks),
                 Preemption(),
                 Provenance(),  # after Preemption: it reads the signal Preemption stopped on
+                TrackerRuns(),
                 *periodic_checkpoint(run),
             ]
         try:
