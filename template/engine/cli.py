@@ -40,6 +40,7 @@ from template.engine.resume import RNGStateCheckpoint, find_last_checkpoint
 from template.engine.run import RunConfigCallback, RunOptions, continue_run, periodic_checkpoint
 from template.engine.scaling import BatchScaling
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
+from template.engine.throughput import ThroughputLog
 from template.engine.trackers import TrackerRuns, resume_trackers
 from template.engine.watchdog import HangWatchdog
 
@@ -75,6 +76,7 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
         parser.add_lightning_class_args(LogCadence, "log_cadence")
         parser.add_lightning_class_args(CompileNetwork, "compile")
+        parser.add_lightning_class_args(ThroughputLog, "throughput")
         add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
         parser.add_argument(
