@@ -31,6 +31,7 @@ from template.engine.errors import (
     explain_trainer_error,
     one_line,
 )
+from template.engine.final_test import evaluate_best
 from template.engine.gpus import add_gpu_arguments, apply_matmul_precision, resolve_free_devices
 from template.engine.loggers import default_loggers
 from template.engine.predictions import PredictionWriter
@@ -79,6 +80,9 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(ThroughputLog, "throughput")
         add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
+        parser.add_argument(
+            "--test_after_fit", type=bool, default=False, help="fit only: test the best checkpoint when fit ends"
+        )
         parser.add_argument(
             "--trackers",
             type=list[Logger] | None,
@@ -249,6 +253,8 @@ class CLI(LightningCLI):
         rank_zero_info(f"Predictions: {writer.path(self.trainer)}")
 
     def after_fit(self) -> None:
+        if self._get(self.config, "test_after_fit"):
+            evaluate_best(self.trainer, self.model, self.datamodule)
         checkpoint = self.trainer.checkpoint_callback
         # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
         if checkpoint is not None and checkpoint.best_model_path and checkpoint.best_model_score is not None:
