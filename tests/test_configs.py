@@ -93,7 +93,13 @@ def _params() -> list:
             _, multi, _ = _case(name)
         except KeyError:
             multi = False
-        params.append(pytest.param(name, id=name, marks=[pytest.mark.slow] if multi else []))
+        params.append(
+            pytest.param(
+                name,
+                id=name,
+                marks=[pytest.mark.slow, pytest.mark.timeout(MULTI_PROCESS_TIMEOUT + 60)] if multi else [],
+            )
+        )
     return params
 
 

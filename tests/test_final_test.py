@@ -16,7 +16,7 @@ SHORT += ("--trainer.limit_test_batches=3", "--trainer.enable_progress_bar=false
 
 def test_fit_then_test_on_the_best_checkpoint(run_main, tmp_path: Path) -> None:
     result = run_main("fit", "--config", CONFIGS / "default.yaml", *SHORT, "--test_after_fit=true")
-    assert result.returncode == 0, result.err[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
     folder = tmp_path / "lightning_logs" / "r"
     rows = list(csv.DictReader((folder / "metrics.csv").open()))
     val_acc = [float(r["val_acc"]) for r in rows if r["val_acc"]]
@@ -32,7 +32,7 @@ def test_fit_then_test_on_the_best_checkpoint(run_main, tmp_path: Path) -> None:
 
 def test_without_the_option_fit_does_not_test(run_main, tmp_path: Path) -> None:
     result = run_main("fit", "--config", CONFIGS / "default.yaml", *SHORT[1:], "--trainer.max_epochs=1")
-    assert result.returncode == 0, result.err[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
     folder = tmp_path / "lightning_logs" / "r"
     assert not (folder / "test-results.json").exists()
     assert "test_acc" not in (folder / "metrics.csv").read_text().splitlines()[0]

@@ -66,7 +66,7 @@ def test_exit_status_says_which_signal_and_which_error() -> None:
 def test_each_start_of_a_run_is_appended(run_main, tmp_path: Path) -> None:
     for epochs in (1, 2):
         result = run_main("fit", "--config", CONFIGS / "default.yaml", *SHORT, f"--trainer.max_epochs={epochs}")
-        assert result.returncode == 0, result.err[-3000:]
+        assert result.returncode == 0, result.stderr[-3000:]
     folder = tmp_path / "lightning_logs" / "r"
     first, second = json.loads((folder / "provenance.json").read_text())["starts"]
     assert [first["status"], second["status"]] == ["finished", "finished"]

@@ -23,6 +23,7 @@ from template.engine.cadence import LogCadence
 from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
+from template.engine.ema import EMAOptions, ema_callbacks
 from template.engine.errors import (
     ConfigError,
     DiskError,
@@ -80,6 +81,7 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(ThroughputLog, "throughput")
         add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
+        parser.add_class_arguments(EMAOptions, "ema", instantiate=False)
         parser.add_argument(
             "--test_after_fit", type=bool, default=False, help="fit only: test the best checkpoint when fit ends"
         )
@@ -178,6 +180,7 @@ class CLI(LightningCLI):
                 Preemption(),
                 Provenance(),  # after Preemption: it reads the signal Preemption stopped on
                 TrackerRuns(),
+                *ema_callbacks(**vars(self._get(self.config, "ema"))),
                 *periodic_checkpoint(run),
             ]
         try:
