@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from template.engine.provenance import exit_status, git_state
@@ -90,3 +91,22 @@ def test_each_start_of_a_run_is_appended(run_main, tmp_path: Path) -> None:
     if diff:
         assert (folder / git["diff_file"]).read_text() == diff
         assert git["diff_file"] == "git-2.diff"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_run_records_every_process_and_tests_after_fit_with_ema(run_cli, tmp_path: Path) -> None:
+    # Rank 0 writes; every rank takes part in the collectives behind the run folder's name and the host list.
+    result = run_cli(
+        "fit", "--config", CONFIGS / "ddp_cpu.yaml", *SHORT, "--trainer.max_epochs=2", "--test_after_fit=true",
+        "--ema.decay=0.9", "--trainer.limit_test_batches=2", timeout=540,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "lightning_logs" / "r"
+    (start,) = json.loads((folder / "provenance.json").read_text())["starts"]
+    assert (start["status"], start["world_size"], start["devices"], start["steps"]) == ("finished", 2, ["cpu"] * 2, 4)
+    assert start["strategy"] == "DDPStrategy" and len(start["hosts"]) == 1
+    results = json.loads((folder / "test-results.json").read_text())
+    assert Path(results["checkpoint"]).name.startswith("best-") and "test_acc" in results["results"][0]
+    checkpoint = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["averaging_state"]["n_averaged"] == 4  # EMA under DDP: one update per optimizer step

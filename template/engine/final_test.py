@@ -23,6 +23,7 @@ def evaluate_best(trainer: Trainer, model: LightningModule, datamodule: Lightnin
     best = getattr(callback, "best_model_path", "") or None
     rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")
     results = trainer.test(model, datamodule=datamodule, ckpt_path="best" if best else None)
-    if trainer.is_global_zero and trainer.log_dir is not None:
+    log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
+    if trainer.is_global_zero and log_dir is not None:
         text = json.dumps({"checkpoint": best, "results": results}, indent=1)
-        atomic_write(Path(trainer.log_dir) / RESULTS, lambda f: f.write(text.encode()))
+        atomic_write(Path(log_dir) / RESULTS, lambda f: f.write(text.encode()))

@@ -110,19 +110,22 @@ class Provenance(Callback):
         self._path: Path | None = None
         self._entry: dict[str, Any] | None = None
         self._started: float | None = None
+        self._set_up = False
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._entry is not None:
+        if self._set_up:
             return  # test after fit: the same start goes on
+        self._set_up = True
         processes = [_this_process()]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank takes part, so that rank 0 can name every host and GPU of the job.
             processes = [None] * dist.get_world_size()
             dist.all_gather_object(processes, _this_process())
-        if not trainer.is_global_zero or trainer.log_dir is None:
+        log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
+        if not trainer.is_global_zero or log_dir is None:
             return
-        self._path = Path(trainer.log_dir) / FILENAME
+        self._path = Path(log_dir) / FILENAME
         entries = self._read()
         git = git_state(Path(__file__).resolve().parent)
         diff = git.pop("diff", "")

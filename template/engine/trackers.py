@@ -105,9 +105,10 @@ class TrackerRuns(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.is_global_zero or trainer.log_dir is None:
+        log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
+        if not trainer.is_global_zero or log_dir is None:
             return
-        folder = Path(trainer.log_dir)
+        folder = Path(log_dir)
         saved = _read(folder)
         keys = _keys(trainer.loggers)
         if not any(keys):
