@@ -104,9 +104,9 @@ def test_ddp_run_records_every_process_and_tests_after_fit_with_ema(run_cli, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     folder = tmp_path / "lightning_logs" / "r"
     (start,) = json.loads((folder / "provenance.json").read_text())["starts"]
-    assert (start["status"], start["world_size"], start["devices"], start["steps"]) == ("finished", 2, ["cpu"] * 2, 4)
+    assert (start["status"], start["world_size"], start["devices"], start["steps"]) == ("finished", 2, ["cpu"] * 2, 6)
     assert start["strategy"] == "DDPStrategy" and len(start["hosts"]) == 1
     results = json.loads((folder / "test-results.json").read_text())
     assert Path(results["checkpoint"]).name.startswith("best-") and "test_acc" in results["results"][0]
     checkpoint = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
-    assert checkpoint["averaging_state"]["n_averaged"] == 4  # EMA under DDP: one update per optimizer step
+    assert checkpoint["averaging_state"]["n_averaged"] == 6  # EMA under DDP: one update per optimizer step
