@@ -157,7 +157,8 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
         for key, item in value.items():
             flat.update(_flatten(item, f"{prefix}{key}."))
         return flat
-    return {prefix.rstrip("."): json.dumps(value) if isinstance(value, (list, dict)) else str(value)}
+    # As YAML spells them: null, true, [1, 2]; strings as they are.
+    return {prefix.rstrip("."): value if isinstance(value, str) else json.dumps(value)}
 
 
 def _status(starts: list[dict[str, Any]], folder: Path) -> str:
