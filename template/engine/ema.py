@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
+from torch import nn
+from typing_extensions import override
 
 from template.engine.errors import ConfigError
+
+
+class EMA(EMAWeightAveraging):
+    """Lightning's EMAWeightAveraging, copying only the module's state, not the callables it holds.
+
+    The average is a deep copy of the LightningModule. Its optimizer and scheduler factories from the command line
+    reach the whole command line object and, under DDP, the launcher's process handles, which cannot be copied; the
+    average needs only the parameters and buffers, so such callables are left out of the copy.
+    """
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        held: dict[str, Any] = {
+            name: value
+            for name, value in vars(pl_module).items()
+            if callable(value) and not isinstance(value, nn.Module) and not name.startswith("_")
+        }
+        for name in held:
+            delattr(pl_module, name)
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            for name, value in held.items():
+                setattr(pl_module, name, value)
 
 
 class EMAOptions:
@@ -34,7 +63,5 @@ def ema_callbacks(
     if update_every_n_steps < 1:
         raise ConfigError(f"ema.update_every_n_steps={update_every_n_steps} must be >= 1")
     return [
-        EMAWeightAveraging(
-            decay=decay, update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step
-        )
+        EMA(decay=decay, update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step)
     ]
