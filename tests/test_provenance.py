@@ -108,5 +108,8 @@ def test_ddp_run_records_every_process_and_tests_after_fit_with_ema(run_cli, tmp
     assert start["strategy"] == "DDPStrategy" and len(start["hosts"]) == 1
     results = json.loads((folder / "test-results.json").read_text())
     assert Path(results["checkpoint"]).name.startswith("best-") and "test_acc" in results["results"][0]
-    checkpoint = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
-    assert checkpoint["averaging_state"]["n_averaged"] == 6  # EMA under DDP: one update per optimizer step
+    # EMA under DDP: one update per optimizer step. (Lightning 2.6 rewrites last.ckpt only when a top-k checkpoint
+    # is saved in the same step, so it may be an earlier step's.)
+    for path in (folder / "checkpoints").glob("*.ckpt"):
+        checkpoint = torch.load(path, weights_only=True)
+        assert checkpoint["averaging_state"]["n_averaged"] == checkpoint["global_step"] > 0, path.name

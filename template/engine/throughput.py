@@ -109,7 +109,10 @@ class ThroughputLog(Callback):
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         self._epochs.append(metrics)
         for name, value in metrics.items():
-            pl_module.log(PREFIX + name, float(value), on_epoch=True, on_step=False)
+            # Each process estimates the whole run's rate from its own time: the log holds the mean over processes
+            # (one all-reduce per epoch), and the largest peak memory.
+            reduce = "max" if name == "peak_memory_gib" else "mean"
+            pl_module.log(PREFIX + name, float(value), on_epoch=True, on_step=False, sync_dist=True, reduce_fx=reduce)
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
