@@ -30,12 +30,15 @@ from template.engine import checkpoints, internals, wiring
 from template.engine.cadence import LogCadence
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
+from template.engine.ema import EMAOptions
 from template.engine.errors import ConfigError, DiskError, config_error_in, explain_parser_error, one_line
+from template.engine.final_test import evaluate_best
 from template.engine.gpus import add_gpu_arguments
 from template.engine.predictions import PredictionWriter
 from template.engine.resume import RNGStateCheckpoint
 from template.engine.run import Run, RunConfigCallback, RunOptions, continue_run
 from template.engine.scaling import BatchScaling
+from template.engine.throughput import ThroughputLog
 from template.engine.watchdog import HangWatchdog
 
 PROGRAM = f"python -m {template.__name__}"
@@ -61,6 +64,10 @@ COMMANDS: dict[str, Command] = {
     "test": Command("Evaluate a checkpoint on the test data"),
     "predict": Command("Write a checkpoint's predictions to a CSV file"),
     "export": Command("Write a checkpoint's network weights for plain PyTorch", f"{__package__}.export:main"),
+    "runs": Command(
+        "List the runs under a folder in one table (status, best score, speed, config differences)",
+        f"{__package__}.runs:main",
+    ),
 }
 
 
@@ -112,8 +119,13 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
         parser.add_lightning_class_args(LogCadence, "log_cadence")
         parser.add_lightning_class_args(CompileNetwork, "compile")
+        parser.add_lightning_class_args(ThroughputLog, "throughput")
         add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
+        parser.add_class_arguments(EMAOptions, "ema", instantiate=False)
+        parser.add_argument(
+            "--test_after_fit", type=bool, default=False, help="fit only: test the best checkpoint when fit ends"
+        )
         parser.add_argument(
             "--trackers",
             type=list[Logger] | None,
@@ -184,9 +196,9 @@ class CLI(LightningCLI):
         trainer_config = built.get("trainer") or {}
         run = continue_run(config) if subcommand == "fit" else Run(None, None, None, resume=False)
         kwargs = {
-            **wiring.loggers(trainer_config, run, built.get("trackers") or []),
+            **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
-            **wiring.callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor")),
+            **wiring.callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema")),
             **kwargs,
         }
         rank_zero_info(wiring.announce(config, subcommand))
@@ -219,6 +231,8 @@ class CLI(LightningCLI):
         rank_zero_info(f"Predictions: {writer.path(self.trainer)}")
 
     def after_fit(self) -> None:
+        if self._get(self.config, "test_after_fit"):
+            evaluate_best(self.trainer, self.model, self.datamodule)
         line = wiring.best_checkpoint_line(self.trainer.checkpoint_callback)
         if line is not None:
             rank_zero_info(line)

@@ -16,12 +16,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgre
 from typing_extensions import override
 
 from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.ema import ema_callbacks
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
 from template.engine.gpus import apply_matmul_precision, resolve_free_devices
 from template.engine.loggers import default_loggers
 from template.engine.preemption import Preemption
+from template.engine.provenance import Provenance
 from template.engine.run import Run, periodic_checkpoint
 from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
+from template.engine.trackers import TrackerRuns, resume_trackers
 from template.engine.watchdog import HangWatchdog
 
 
@@ -91,6 +94,25 @@ MECHANISMS: tuple[Mechanism, ...] = (
         "SIGTERM/SIGUSR1 save interrupted.ckpt (and requeue on SLURM)",
         "--run.preemption=false",
         lambda c, s: s == "fit" and c.get("run.preemption") is not False,
+    ),
+    Mechanism(
+        "provenance",
+        "provenance.json in the run's folder: command, git state, versions, devices, times, exit status",
+        "none (it only writes a file)",
+        _fit,
+        announced=False,
+    ),
+    Mechanism(
+        "tracker runs",
+        "a named run's MLflow/W&B runs continue on restart (ids in trackers.json); the config is logged to them",
+        "remove trackers",
+        lambda c, s: s == "fit" and bool(c.get("trackers")),
+    ),
+    Mechanism(
+        "ema",
+        "an exponential moving average of the weights, used by validation, checkpoints and export",
+        "--ema.decay=null",
+        lambda c, s: s == "fit" and c.get("ema.decay") is not None,
     ),
     Mechanism(
         "periodic checkpoint",
@@ -185,8 +207,12 @@ def announce(config: Any, subcommand: str) -> str:
     return "\n".join(["Added by the command line [and how to switch each off]:", *lines])
 
 
-def loggers(trainer_config: dict[str, Any], run: Run, trackers: list[Any]) -> dict[str, Any]:
-    """The ``logger`` argument: CSV and TensorBoard in the run's folder, then the trackers; {} keeps the config's."""
+def loggers(
+    trainer_config: dict[str, Any], run: Run, trackers: list[Any], tracker_configs: list[Any]
+) -> dict[str, Any]:
+    """The ``logger`` argument: CSV and TensorBoard in the run's folder, then the trackers (a restarted named run's
+    continuing their tracker runs); {} keeps the config's."""
+    trackers = resume_trackers(trackers, tracker_configs, run.directory)
     logger = trainer_config.get("logger")
     if logger in (None, True):
         # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
@@ -204,9 +230,11 @@ def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
     return {"plugins": [AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
 
 
-def callbacks(trainer_config: dict[str, Any], subcommand: str, run: Run, monitor: str | None) -> dict[str, Any]:
-    """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitor's check, preemption and
-    periodic saves."""
+def callbacks(
+    trainer_config: dict[str, Any], subcommand: str, run: Run, monitor: str | None, ema: Any = None
+) -> dict[str, Any]:
+    """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitor's check, preemption,
+    the run's provenance, its tracker runs, the weights' average (``ema``) and periodic saves."""
     configured = trainer_config.get("callbacks") or []
     added: list[Callback] = []
     if trainer_config.get("enable_progress_bar") is not False and not any(
@@ -216,6 +244,8 @@ def callbacks(trainer_config: dict[str, Any], subcommand: str, run: Run, monitor
         added.append(TQDMProgressBar(refresh_rate=10))
     if subcommand == "fit":
         added += [*([MonitorCheck(monitor)] if monitor else []), *([Preemption()] if run.preemption else [])]
+        # After Preemption: provenance records the signal it stopped on.
+        added += [Provenance(), TrackerRuns(), *(ema_callbacks(**vars(ema)) if ema is not None else [])]
         added += periodic_checkpoint(run)
     if not added:
         return {}
