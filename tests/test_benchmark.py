@@ -42,6 +42,7 @@ def _assert_png(path: Path) -> None:
     assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real plot"
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = _script(

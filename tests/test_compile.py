@@ -70,6 +70,7 @@ def test_compile_names_the_missing_network_attribute() -> None:
         CompileNetwork(enabled=True, module_name="backbone").setup(None, model, "fit")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_compile_under_ddp_from_the_command_line(run_cli, tmp_path: Path) -> None:
     result = run_cli(
         "fit", "--config", CONFIGS / "ddp_cpu.yaml", "--compile.enabled=true", "--trainer.max_epochs=1",

@@ -201,6 +201,7 @@ def _run_summary(workdir: Path) -> tuple[dict, dict]:
     return from_yaml, ckpt["callbacks"]["BatchScaling"]["summary"]
 
 
+@pytest.mark.slow
 def test_same_global_batch_on_one_process_and_two_ddp_processes(run_cli, tmp_path):
     scaling = ("--scaling.lr_scaling=linear", "--scaling.reference_batch_size=32")
     single_dir, ddp_dir = tmp_path / "single", tmp_path / "ddp"
