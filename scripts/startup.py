@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take (default 300)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+        print(f"error: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
+        raise SystemExit(2)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "first_step.py").write_text(FIRST_STEP)

@@ -139,3 +139,22 @@ def test_plot_metrics_explains_a_wrong_path(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"error: no metrics file at '{tmp_path / 'version_9'}'; pass a run folder such as lightning_logs/version_0"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_startup_compares_the_command_with_bare_lightning(tmp_path: Path) -> None:
+    result = _script("startup.py", "--repeats", "1", cwd=tmp_path, timeout=840)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| fit --help", "| command to first"))]
+    assert len(rows) == 2, result.stdout
+    for row in rows:
+        ours, bare, ratio = (float(cell.split()[0]) for cell in row.split("|")[2:5])
+        assert 0 < ours < 600 and 0 < bare < 600 and ratio == pytest.approx(ours / bare, abs=0.01)
+
+
+def test_startup_refuses_no_repeats_in_one_line(capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as exit_info:
+        _load("startup").main(["--repeats", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --repeats must be at least 1, got 0"]
