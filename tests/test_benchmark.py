@@ -107,6 +107,7 @@ def test_benchmark_refuses_bad_options_in_one_line(args: list[str], message: str
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
 
 
+@pytest.mark.slow
 def test_learning_curves_from_a_real_run(run_cli, tmp_path: Path) -> None:
     result = run_cli(
         "fit",

@@ -20,6 +20,7 @@ from tests.conftest import CONFIGS
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler (cc)")
 
 
+@pytest.mark.slow
 def test_compiled_network_trains_and_keeps_plain_checkpoint_keys(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Classifier(MLP((1, 8, 8), 10, dropout=0.0), num_classes=10)

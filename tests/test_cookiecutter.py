@@ -299,6 +299,7 @@ def test_existing_folder_is_never_overwritten(tmp_path: Path) -> None:
         assert edited.read_text() == "# my edits\n"
 
 
+@pytest.mark.slow
 def test_relative_path_dot_and_replay(tmp_path: Path) -> None:
     config = _config(tmp_path)
     tmpdir = tmp_path / "tmpdir"
@@ -344,6 +345,7 @@ def test_plain_folder_without_git(tmp_path: Path) -> None:
     assert not (project / "lightning_logs").exists() and leftovers(project) == []
 
 
+@pytest.mark.slow
 def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
     remote = _copy_live_tree(tmp_path / "remote")
     for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):

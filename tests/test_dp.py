@@ -134,6 +134,7 @@ def test_print_config_shows_dp(run_main) -> None:
 # --- one-line errors through the real command ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dp_without_a_gpu_points_to_the_cpu_config(run_cli, tmp_path: Path) -> None:
     # GPUs hidden, so that the test means the same on a machine that has some.
     line = one_line_error(run_cli("fit", "--config", CONFIGS / "dp.yaml", env=cli_env(CUDA_VISIBLE_DEVICES="")))

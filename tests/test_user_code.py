@@ -22,7 +22,8 @@ def _last_val_acc(run_dir: Path) -> float:
     return float(rows[-1]["val_acc"])
 
 
-@pytest.mark.parametrize("strategy", ["auto", pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["auto", "ddp"])
 def test_user_net_and_data_train_from_yaml(run_cli, tmp_path, strategy):
     devices = 2 if strategy == "ddp" else 1
     config = {**USER_CONFIG, "trainer": {**USER_CONFIG["trainer"], "strategy": strategy, "devices": devices}}
@@ -56,7 +57,8 @@ REGRESSION_CONFIG = {
 }
 
 
-@pytest.mark.parametrize("strategy", ["auto", pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["auto", "ddp"])
 def test_user_lightning_module_trains_by_yaml_alone(run_cli, tmp_path, strategy):
     import torch
 
