@@ -99,6 +99,7 @@ def test_user_lightning_module_trains_by_yaml_alone(run_cli, tmp_path, strategy)
     }
 
 
+@pytest.mark.slow
 def test_a_chosen_class_gets_its_own_defaults_not_the_examples(run_cli, tmp_path):
     # jsonargparse alone would give Waves the digits' batch_size (64) and Regressor nothing of its own.
     config = {"model": REGRESSION_CONFIG["model"], "data": {"class_path": "my_code.Waves"}}
