@@ -131,7 +131,8 @@ def rewrite_pyproject(text: str, answers: Mapping[str, object]) -> str:
     return re.sub(rf"(?m)^[ \t]*[\"'](?:{dropped})(?![\w-])[^\"'\n]*[\"'][ \t]*,?[ \t]*\n", "", text)
 
 
-USER_ROOM_HEADING = "## Where to put your model and data"
+# A new project's README opens with what its owner does first: install and train, then where their code goes.
+FIRST_HEADINGS = ("## Quickstart", "## Where to put your model and data")
 
 
 def readme_body(root: Path, answers: Mapping[str, object]) -> str:
@@ -150,9 +151,13 @@ def readme_body(root: Path, answers: Mapping[str, object]) -> str:
         for section in sections[1:]
         if not re.search(r"cookiecutter|^## licen[cs]e", section[0], flags=re.I)
     ]
-    # A new project's README starts where its owner starts: where their model and data go.
-    kept.sort(key=lambda section: not section.startswith(USER_ROOM_HEADING))
+    kept.sort(key=_reading_order)
     return renamer(root, answers).text("".join(kept), ".md").strip() + "\n"
+
+
+def _reading_order(section: str) -> int:
+    heading = section.split("\n", 1)[0].strip()
+    return FIRST_HEADINGS.index(heading) if heading in FIRST_HEADINGS else len(FIRST_HEADINGS)
 
 
 def finish(project_dir: Path, answers: Mapping[str, object]) -> None:

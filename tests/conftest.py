@@ -1,4 +1,8 @@
-"""Shared fixtures: run the real command line in a subprocess, in a scratch folder."""
+"""Shared fixtures: run the real command line in a subprocess, in a scratch folder.
+
+``python -m pytest`` runs the fast suite; ``python -m pytest --slow`` adds the tests marked ``slow``
+(several processes, launchers, signal simulations, whole suites in fresh environments).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,56 @@ import template
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 PACKAGE = template.__name__
+# Left in the project by tools, not by tests: caches, environments, installs (matched per path part).
+UNWATCHED = (".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the tests marked slow: several processes (DDP, torchrun), SLURM and signal simulations, "
+        "whole suites in fresh virtual environments",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: minutes of work or several processes; deselected unless --slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow") or config.option.markexpr:  # `-m slow` or `-m "not slow"` choose for themselves
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return "slow tests: " + ("included" if config.getoption("--slow") else "deselected; add --slow to run them")
+
+
+def project_files(root: Path = REPO) -> set[str]:
+    """Every path under ``root``, ignored files included, except tool caches and environments."""
+    found = set()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in UNWATCHED and not d.endswith(".egg-info")]
+        rel = Path(folder).relative_to(root)
+        found.update(str(rel / name) for name in [*dirs, *files])
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_written_into_the_project():  # noqa: ANN202
+    """Tests write under tmp_path only: a file left in the project (e.g. a Trainer's ``checkpoints/`` without
+    ``default_root_dir``) would be hidden by .gitignore and shipped by no one, so it fails the session."""
+    before = project_files()
+    yield
+    new = sorted(project_files() - before)
+    assert not new, f"the tests wrote into the project {REPO}: {', '.join(new[:10])}" + (
+        f" and {len(new) - 10} more" if len(new) > 10 else ""
+    )
 
 
 def cli_env(**extra: str) -> dict[str, str]:

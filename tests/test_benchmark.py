@@ -42,6 +42,7 @@ def _assert_png(path: Path) -> None:
     assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real plot"
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = _script(
@@ -106,6 +107,7 @@ def test_benchmark_refuses_bad_options_in_one_line(args: list[str], message: str
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
 
 
+@pytest.mark.slow
 def test_learning_curves_from_a_real_run(run_cli, tmp_path: Path) -> None:
     result = run_cli(
         "fit",
@@ -138,3 +140,22 @@ def test_plot_metrics_explains_a_wrong_path(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"error: no metrics file at '{tmp_path / 'version_9'}'; pass a run folder such as lightning_logs/version_0"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_startup_compares_the_command_with_bare_lightning(tmp_path: Path) -> None:
+    result = _script("startup.py", "--repeats", "1", cwd=tmp_path, timeout=840)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| fit --help", "| command to first"))]
+    assert len(rows) == 2, result.stdout
+    for row in rows:
+        ours, bare, ratio = (float(cell.split()[0]) for cell in row.split("|")[2:5])
+        assert 0 < ours < 600 and 0 < bare < 600 and ratio == pytest.approx(ours / bare, abs=0.01)
+
+
+def test_startup_refuses_no_repeats_in_one_line(capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as exit_info:
+        _load("startup").main(["--repeats", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --repeats must be at least 1, got 0"]

@@ -187,6 +187,7 @@ def test_the_queue_is_bounded_by_its_size(tmp_path: Path) -> None:
     assert model.acc.runs == [8] * 12
 
 
+@pytest.mark.slow
 def test_ddp_metrics_are_the_same_with_and_without_the_queue(run_cli, tmp_path: Path) -> None:
     """Queued updates run before torchmetrics syncs the ranks: the epoch's accuracy over both processes is equal."""
     rows = {}

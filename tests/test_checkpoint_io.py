@@ -54,6 +54,7 @@ def _check(path: Path) -> int:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="kills forked writers")
+@pytest.mark.slow
 @pytest.mark.parametrize("unnamed", [True, False], ids=["O_TMPFILE", "named-temporary"])
 @pytest.mark.parametrize("tmpdir_on", ["same-filesystem", "other-filesystem"])
 def test_sigkill_during_saves_never_corrupts_or_leaks(tmp_path: Path, tmpdir_on: str, unnamed: bool) -> None:

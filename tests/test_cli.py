@@ -56,7 +56,9 @@ def test_checkpoint_loads_into_a_plain_model(trained):
     assert model.eval()(images).shape == (64, 10)
 
 
-@pytest.mark.parametrize("subcommand,metric", [("validate", "val_acc"), ("test", "test_acc")])
+@pytest.mark.parametrize(
+    "subcommand,metric", [("validate", "val_acc"), pytest.param("test", "test_acc", marks=pytest.mark.slow)]
+)
 def test_evaluate_the_checkpoint(trained, run_cli, subcommand, metric):
     workdir, _ = trained
     ckpt = workdir / "lightning_logs/version_0/checkpoints/last.ckpt"
@@ -77,6 +79,7 @@ def test_predict_writes_one_prediction_per_test_sample(trained, run_cli):
     assert {int(r["prediction"]) for r in rows} <= set(range(10))
 
 
+@pytest.mark.slow
 def test_print_config_round_trip(run_main, run_cli, tmp_path):
     printed = run_main("fit", "--config", CONFIGS / "default.yaml", "--trainer.max_epochs=1", "--print_config")
     assert printed.returncode == 0, printed.stderr
@@ -115,6 +118,7 @@ def test_first_lines_say_what_is_on_and_how_to_switch_it_off(trained):
     assert [line for line in output.splitlines() if line.startswith("Run: strategy")], output[-3000:]
 
 
+@pytest.mark.slow
 def test_stacked_configs_and_overrides(run_cli, tmp_path):
     (tmp_path / "small.yaml").write_text(
         "trainer:\n  max_epochs: 2\n  limit_train_batches: 3\ndata:\n  init_args:\n    batch_size: 16\n"
@@ -138,6 +142,7 @@ def test_stacked_configs_and_overrides(run_cli, tmp_path):
     assert saved["model"]["init_args"]["net"]["class_path"] == f"{PACKAGE}.nets.ConvNet"
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     script = shutil.which(PACKAGE, path=str(Path(sys.executable).parent))
     assert script, f"console script {PACKAGE!r} not installed next to {sys.executable}"

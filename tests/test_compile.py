@@ -20,6 +20,7 @@ from tests.conftest import CONFIGS
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler (cc)")
 
 
+@pytest.mark.slow
 def test_compiled_network_trains_and_keeps_plain_checkpoint_keys(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Classifier(MLP((1, 8, 8), 10, dropout=0.0), num_classes=10)
@@ -70,6 +71,7 @@ def test_compile_names_the_missing_network_attribute() -> None:
         CompileNetwork(enabled=True, module_name="backbone").setup(None, model, "fit")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_compile_under_ddp_from_the_command_line(run_cli, tmp_path: Path) -> None:
     result = run_cli(
         "fit", "--config", CONFIGS / "ddp_cpu.yaml", "--compile.enabled=true", "--trainer.max_epochs=1",

@@ -2,7 +2,11 @@
 
 import csv
 
+import pytest
+
 from tests.conftest import CONFIGS
+
+pytestmark = pytest.mark.slow  # two DDP processes
 
 OUR_LINES = ("Best checkpoint:", "Prepared the digits data set")
 

@@ -63,6 +63,7 @@ def _can_mount_tmpfs() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="no user namespace to mount a small tmpfs in (needs unshare -rm)")
 def test_a_real_full_tmpfs(tmp_path: Path) -> None:
     # 200 KiB holds the logs but not one 240 KiB checkpoint: the kernel's own ENOSPC at the first checkpoint write.

@@ -134,6 +134,7 @@ def test_print_config_shows_dp(run_main) -> None:
 # --- one-line errors through the real command ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dp_without_a_gpu_points_to_the_cpu_config(run_cli, tmp_path: Path) -> None:
     # GPUs hidden, so that the test means the same on a machine that has some.
     line = one_line_error(run_cli("fit", "--config", CONFIGS / "dp.yaml", env=cli_env(CUDA_VISIBLE_DEVICES="")))
@@ -275,13 +276,14 @@ def test_checkpoint_keys_match_single_device_and_load_anywhere(tmp_path: Path, p
     assert all(torch.equal(v, dp_state[k]) for k, v in plain.state_dict().items())
     # The dp checkpoint resumes under one device, and the single-device one under dp.
     resumed = Trainer(
-        accelerator="cpu", devices=1, max_steps=5, limit_val_batches=0, logger=False, enable_progress_bar=False
-    )
+        accelerator="cpu", devices=1, max_steps=5, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        default_root_dir=tmp_path / "single-resumed",
+    )  # fmt: skip
     resumed.fit(classifier(), datamodule=digits(tmp_path), ckpt_path=tmp_path / "dp.ckpt", weights_only=False)
     assert resumed.global_step == 5
     resumed = Trainer(
         accelerator="cpu", devices=2, strategy=CpuDataParallel(), max_steps=5, limit_val_batches=0, logger=False,
-        enable_progress_bar=False,
+        enable_progress_bar=False, default_root_dir=tmp_path / "dp-resumed",
     )  # fmt: skip
     resumed.fit(classifier(), datamodule=digits(tmp_path), ckpt_path=tmp_path / "single.ckpt", weights_only=False)
     assert resumed.global_step == 5
@@ -289,7 +291,9 @@ def test_checkpoint_keys_match_single_device_and_load_anywhere(tmp_path: Path, p
 
 def test_batch_smaller_than_the_device_count_is_refused(tmp_path: Path, pass_through: None) -> None:
     model = classifier()
-    trainer = Trainer(accelerator="cpu", devices=3, strategy=CpuDataParallel(), max_steps=1, logger=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=3, strategy=CpuDataParallel(), max_steps=1, logger=False, default_root_dir=tmp_path
+    )
     loader = DataLoader(TensorDataset(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))), batch_size=2)
     with pytest.raises(ConfigError, match=r"the batch size is 2 but strategy dp splits every batch over 3 GPUs"):
         trainer.fit(model, train_dataloaders=loader)
@@ -307,13 +311,16 @@ def test_module_without_the_named_network_is_refused(tmp_path: Path, pass_throug
         def configure_optimizers(self):  # noqa: ANN201
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=CpuDataParallel(), max_steps=1, logger=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=CpuDataParallel(), max_steps=1, logger=False, default_root_dir=tmp_path
+    )
     with pytest.raises(ConfigError, match=r"network `net`, but NoNet has no nn.Module child of that name"):
         trainer.fit(NoNet(), train_dataloaders=DataLoader(TensorDataset(torch.rand(4, 4)), batch_size=2))
     # Named through init_args, the same module trains with its `layer` wrapped.
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=CpuDataParallel(module_name="layer"), max_steps=1, logger=False
-    )
+        accelerator="cpu", devices=2, strategy=CpuDataParallel(module_name="layer"), max_steps=1, logger=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
     trainer.fit(NoNet(), train_dataloaders=DataLoader(TensorDataset(torch.rand(4, 4)), batch_size=2))
     assert trainer.global_step == 1
 

@@ -124,7 +124,11 @@ def test_bad_input_is_one_clear_line(
 
 @pytest.mark.parametrize(
     "extra",
-    [["--trainer.max_epocs=3"], ["--data.init_args.data_dir=afile"], ["--ckpt_path", "corrupt.ckpt"]],
+    [
+        ["--trainer.max_epocs=3"],
+        pytest.param(["--data.init_args.data_dir=afile"], marks=pytest.mark.slow),
+        pytest.param(["--ckpt_path", "corrupt.ckpt"], marks=pytest.mark.slow),
+    ],
     ids=["at-parse-time", "inside-fit", "checkpoint"],
 )
 def test_real_command_exits_2_without_traceback(tmp_path: Path, run_cli, extra: list) -> None:  # noqa: ANN001

@@ -28,6 +28,7 @@ def _same_weights(a: nn.Module, b: nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow
 def test_export_from_a_real_run_loads_into_the_bare_net(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
     fit = run_cli(
         "fit", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=cpu", "--trainer.max_epochs=1",

@@ -14,6 +14,8 @@ import pytest
 import yaml
 from conftest import CONFIGS, PACKAGE, cli_env
 
+pytestmark = pytest.mark.slow  # DDP jobs whose ranks fail, die or hang
+
 TESTS = Path(__file__).resolve().parent
 TIMEOUT = 15  # --watchdog.timeout here; it also bounds the rendezvous, so rank 1 must start within it
 

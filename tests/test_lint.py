@@ -19,5 +19,6 @@ def _ruff() -> str:
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
 def test_ruff(command):
-    result = subprocess.run([_ruff(), *command, "."], cwd=REPO, capture_output=True, text=True, timeout=120)
+    command = [_ruff(), *command, "--no-cache", "."]  # no .ruff_cache: a test run leaves the project as it was
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -146,6 +146,7 @@ def report(name: str, seconds: float) -> None:
     print(f"\n{name}: wall time {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_train_one_model(job, tmp_path):
     port = str(free_port())
     data = ("--data.class_path=counting_data.CountingDigits", f"--data.init_args.data_dir={tmp_path / 'data'}")
@@ -167,6 +168,7 @@ def test_two_torchrun_agents_train_one_model(job, tmp_path):
     report("torchrun, 2 nodes x 1 process", seconds)
 
 
+@pytest.mark.slow
 def test_slurm_job_with_srun_environment_trains(job, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -201,6 +203,7 @@ def test_slurm_job_with_srun_environment_trains(job, tmp_path):
     report("SLURM (srun environment), 2 nodes x 1 task", seconds)
 
 
+@pytest.mark.slow
 def test_launcher_and_config_disagreeing_is_one_line(job, tmp_path):
     # torchrun starts 2 processes on this node but the config says 1 device on 1 node.
     port = str(free_port())

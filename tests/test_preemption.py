@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import CONFIGS, PACKAGE, REPO, cli_env
 
+pytestmark = pytest.mark.slow  # signals and restarts of running jobs, DDP and torchrun included
+
 TESTS = REPO / "tests"
 WAIT = 120  # seconds for any one wait on a child; a healthy run here takes 5-25 s
 COMMON = [

@@ -67,6 +67,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_resume_at_epoch_boundary_is_bit_exact(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
     first = run_cli(*FAST, "--trainer.max_epochs=1")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -115,6 +116,7 @@ class PlainDigits(DigitsDataModule):
 """
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_of_a_plain_dataloader_warns_what_repeats(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
     (tmp_path / "plain_data.py").write_text(PLAIN_DATA)
     # The same step-3 checkpoint as a plain-DataLoader run writes it: without a loader state.

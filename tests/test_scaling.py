@@ -201,6 +201,7 @@ def _run_summary(workdir: Path) -> tuple[dict, dict]:
     return from_yaml, ckpt["callbacks"]["BatchScaling"]["summary"]
 
 
+@pytest.mark.slow
 def test_same_global_batch_on_one_process_and_two_ddp_processes(run_cli, tmp_path):
     scaling = ("--scaling.lr_scaling=linear", "--scaling.reference_batch_size=32")
     single_dir, ddp_dir = tmp_path / "single", tmp_path / "ddp"
@@ -231,6 +232,7 @@ def test_same_global_batch_on_one_process_and_two_ddp_processes(run_cli, tmp_pat
     assert "batch 32/process (32/device) x 2 process(es) x 1 accumulation = 64" in output
 
 
+@pytest.mark.slow
 def test_non_divisible_global_batch_is_refused_before_any_process_starts(run_cli, tmp_path):
     result = run_cli("fit", "--config", CONFIGS / "ddp_cpu.yaml", "--scaling.global_batch_size=63", *SHORT)
     assert result.returncode == 2

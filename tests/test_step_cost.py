@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -78,6 +79,7 @@ def test_training_metrics_are_logged_at_the_trainer_cadence_and_per_epoch(tmp_pa
         assert all(0 <= float(r[column]) <= 1 for r in rows if r[column])
 
 
+@pytest.mark.slow
 def test_ddp_still_splits_the_data_between_processes(run_cli, tmp_path: Path) -> None:
     result = run_cli(
         "fit",

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import CONFIGS, cli_env
 
+pytestmark = pytest.mark.slow  # every test trains in a subprocess, three with a tracker's imports
+
 SHORT = ("--trainer.max_epochs=2", "--trainer.limit_train_batches=5", "--trainer.limit_val_batches=2")
 SHORT += ("--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false")
 

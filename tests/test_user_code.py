@@ -22,6 +22,7 @@ def _last_val_acc(run_dir: Path) -> float:
     return float(rows[-1]["val_acc"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "ddp"])
 def test_user_net_and_data_train_from_yaml(run_cli, tmp_path, strategy):
     devices = 2 if strategy == "ddp" else 1
@@ -56,6 +57,7 @@ REGRESSION_CONFIG = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "ddp"])
 def test_user_lightning_module_trains_by_yaml_alone(run_cli, tmp_path, strategy):
     import torch
@@ -97,6 +99,7 @@ def test_user_lightning_module_trains_by_yaml_alone(run_cli, tmp_path, strategy)
     }
 
 
+@pytest.mark.slow
 def test_a_chosen_class_gets_its_own_defaults_not_the_examples(run_cli, tmp_path):
     # jsonargparse alone would give Waves the digits' batch_size (64) and Regressor nothing of its own.
     config = {"model": REGRESSION_CONFIG["model"], "data": {"class_path": "my_code.Waves"}}

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from template.engine.errors import ConfigError
 
 # The choice rank 0 made, handed to the DDP processes Lightning starts with rank 0's environment: "<request>-><list>".
-# The name is package-neutral on purpose (the package is renamed by cookiecutter).
+# The name holds no package name on purpose: it stays the same whatever the package is called.
 HANDOFF_VARIABLE = "FREE_GPUS_CHOSEN"
 _GIB = 1024**3
 _SYNTAX = "free:N or free:N,min=MGiB (e.g. free:2 or free:2,min=8GiB)"
