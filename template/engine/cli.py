@@ -346,6 +346,11 @@ def main(args: list[str] | None = None) -> None:
 
             export_main(argv[1:])
             return
+        if argv[:1] == ["sweep"]:
+            # Optuna drives `fit` processes; the sweep is not a LightningCLI subcommand.
+            from template.engine.sweep import main as sweep_main
+
+            sys.exit(sweep_main(argv[1:]))
         build_cli(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
