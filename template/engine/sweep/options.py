@@ -34,6 +34,7 @@ class Sweep:
         pruner: Literal["median", "hyperband", "none"] = "median",
         max_failures: int = 3,
         heartbeat: float = 30.0,
+        enqueue: list[dict[str, Any]] | None = None,
     ) -> None:
         """``name``: the study, and its folder ``lightning_logs/<name>/``.
 
@@ -46,6 +47,7 @@ class Sweep:
         pruner on the value at each validation, or none. ``max_failures``: failed trials in a row that stop the
         sweep. ``heartbeat``: seconds between a running trial's heartbeats in a database storage; a trial silent for
         4 heartbeats (its worker died) is failed and run again from its checkpoint by the next worker.
+        ``enqueue``: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
         """
         self.name = name
         self.space = space
@@ -59,6 +61,7 @@ class Sweep:
         self.pruner = pruner
         self.max_failures = max_failures
         self.heartbeat = heartbeat
+        self.enqueue = enqueue
 
 
 @dataclass
@@ -146,7 +149,11 @@ def check(sweep: Sweep) -> list[Param]:
         raise ConfigError(f"sweep.heartbeat={sweep.heartbeat} must be a number of seconds > 0")
     if not sweep.space:
         raise ConfigError("sweep.space is empty; add the options to search, e.g. model.optimizer.init_args.lr")
-    return [_param(key, spec) for key, spec in sweep.space.items()]
+    space = [_param(key, spec) for key, spec in sweep.space.items()]
+    for values in sweep.enqueue or []:
+        if unknown := sorted(set(values) - set(sweep.space)):
+            raise ConfigError(f"sweep.enqueue sets {', '.join(unknown)}, not in sweep.space; add it there")
+    return space
 
 
 def _param(key: str, spec: Any) -> Param:

@@ -33,6 +33,8 @@ def run_sweep(argv: list[str]) -> int:
     for param in command.space:
         for value in param.choices or [param.example()]:
             configs.complete({param.key: value}, what=f"sweep.space['{param.key}']: ")
+    for values in sweep.enqueue or []:
+        configs.complete(values, what="sweep.enqueue: ")
     root = Path(base.get("trainer", {}).get("default_root_dir") or ".")
     folder = root / LOGS / sweep.name
     storage = open_storage(sweep.storage, folder)
@@ -42,6 +44,9 @@ def run_sweep(argv: list[str]) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     slots = claim_slots(folder, sweep.workers)
     study = _study(sweep, storage, _sampler(sweep, offset=int(slots[0].rsplit(".", 1)[1])))
+    if sweep.enqueue and not study.get_trials(deepcopy=False):
+        for values in sweep.enqueue:
+            study.enqueue_trial(values)
     code = Driver(sweep, command.space, configs, storage, study, folder, slots).run()
     if code == 0:
         write_results(study, folder, sweep.objective)
