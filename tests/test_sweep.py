@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import signal
 import socket
@@ -170,9 +171,12 @@ def test_sigkill_mid_trial_then_the_same_command_continues(tmp_path: Path) -> No
     study = _study(folder)
     assert _states(study) == {"COMPLETE": 3}, _states(study)
     log = (folder / "trial-0001.log").read_text()
-    assert "resuming from" in log and "(epoch 1, step 4)" in log, log[-2000:]
-    steps = _steps(folder / "trial-0001")
-    assert steps == list(range(12)), steps  # every step once: 3 epochs of 4
+    resumed = re.search(r"resuming from .*\(epoch \d+, step (\d+)\)", log)
+    assert resumed and int(resumed.group(1)) >= 4, log[-2000:]  # from its checkpoint, not from step 0
+    # Every step from the checkpoint on once (3 epochs of 4); rows the killed run had not yet flushed before its
+    # checkpoint are lost, as for any SIGKILLed run (the CSV log reaches the disk every 5 s).
+    steps, first = _steps(folder / "trial-0001"), int(resumed.group(1))
+    assert len(steps) == len(set(steps)) and steps[-(12 - first) :] == list(range(first, 12)), steps
     assert (folder / "trial-0000.log").read_text().count("starting from the beginning") == 1
 
 
@@ -271,3 +275,18 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(tmp_path: Path, run_c
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 1 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "2 trials failed in a row" in errors[0] and "dropout probability" in errors[0], errors
+
+
+def test_trials_at_once_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from template.engine.errors import ConfigError
+    from template.engine.sweep.devices import slot_gpus
+
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    assert slot_gpus({"devices": 2}, ["h.0", "h.1"], environ={}) == {"h.0": "0,1", "h.1": "2,3"}
+    # A second sweep command on the machine holds slots 2 and 3; CUDA_VISIBLE_DEVICES renumbers.
+    assert slot_gpus({"devices": "free:1"}, ["h.2"], environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == {"h.2": "6"}
+    assert slot_gpus({"accelerator": "cpu", "devices": 2}, ["h.0", "h.1"], environ={}) == {}
+    with pytest.raises(ConfigError, match="lower sweep.workers"):
+        slot_gpus({"devices": 2}, ["h.0", "h.1", "h.2"], environ={})
+    with pytest.raises(ConfigError, match="takes every GPU"):
+        slot_gpus({"devices": "auto"}, ["h.0", "h.1"], environ={})

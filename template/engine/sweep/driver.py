@@ -62,6 +62,7 @@ class Driver:
         study: optuna.Study,
         folder: Path,
         slots: list[str],
+        gpus: dict[str, str] | None = None,
     ) -> None:
         self.sweep, self.space, self.configs, self.storage, self.study = sweep, space, configs, storage, study
         self.study_id = storage.get_study_id_from_name(sweep.name)
@@ -69,6 +70,7 @@ class Driver:
         self.direction = sweep.direction
         self.folder = folder
         self.slots = slots
+        self.gpus = gpus or {}
         self.running: dict[str, Running] = {}
         self.failures_in_a_row = 0
         self.stop_signal: int | None = None
@@ -134,6 +136,8 @@ class Driver:
             frozen = mine[0]
             self._launch(slot, optuna.trial.Trial(self.study, self._id(frozen)), frozen.user_attrs["folder"], frozen)
             return
+        if sum(1 for t in trials if t.state in _FINISHED) >= self.sweep.n_trials:
+            return
         live = [t for t in trials if _counts(t)]
         if len(live) >= self.sweep.n_trials and not any(t.state == TrialState.WAITING for t in trials):
             return
@@ -163,9 +167,12 @@ class Driver:
         log = (self.folder / f"{folder}.log").open("a")
         command = [sys.executable, "-m", __package__.split(".")[0], "fit", "--config", str(config_path)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # the trial is not a SLURM task
+        if slot in self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot]
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_dies_with_us
         )
+        trial.set_user_attr("started", time.time())
         reported = set(resumed.intermediate_values) if resumed is not None else set()
         self.running[slot] = Running(trial, folder, process, log, time.monotonic(), reported)
         what = "continues" if resumed is not None else "starts"
@@ -222,6 +229,7 @@ class Driver:
     def _record(self, running: Running, code: int) -> None:
         trial, seconds = running.trial, time.monotonic() - running.started
         trial.set_user_attr("seconds", round(seconds + float(_attr(self.study, trial, "seconds") or 0), 1))
+        trial.set_user_attr("ended", time.time())
         if running.ending == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
             self.failures_in_a_row = 0
@@ -235,6 +243,7 @@ class Driver:
             reason = _reason(self.folder / f"{running.folder}.log", code) if code else "no validation ran"
             self._fail(trial, reason)
             if NOT_LOGGED in reason:
+                self._terminate_all("stopped")
                 raise ConfigError(reason.removeprefix("error: "))
         self._progress(trial.number)
 

@@ -11,6 +11,7 @@ import optuna
 
 from template.engine.errors import ConfigError
 from template.engine.run import LOGS
+from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
 from template.engine.sweep.fitconfig import FitConfigs
 from template.engine.sweep.options import Sweep, parse_command
@@ -35,6 +36,7 @@ def run_sweep(argv: list[str]) -> int:
             configs.complete({param.key: value}, what=f"sweep.space['{param.key}']: ")
     for values in sweep.enqueue or []:
         configs.complete(values, what="sweep.enqueue: ")
+    slot_gpus(base.get("trainer", {}), [f"check.{n}" for n in range(sweep.workers)])  # enough GPUs for them all
     root = Path(base.get("trainer", {}).get("default_root_dir") or ".")
     folder = root / LOGS / sweep.name
     storage = open_storage(sweep.storage, folder)
@@ -47,7 +49,8 @@ def run_sweep(argv: list[str]) -> int:
     if sweep.enqueue and not study.get_trials(deepcopy=False):
         for values in sweep.enqueue:
             study.enqueue_trial(values)
-    code = Driver(sweep, command.space, configs, storage, study, folder, slots).run()
+    gpus = slot_gpus(base.get("trainer", {}), slots)
+    code = Driver(sweep, command.space, configs, storage, study, folder, slots, gpus).run()
     if code == 0:
         write_results(study, folder, sweep.objective)
         print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {_dashboard_url(sweep.storage, folder)}")
