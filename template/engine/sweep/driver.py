@@ -8,6 +8,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ _STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to 
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 _PR_SET_PDEATHSIG = 1
 _HELD_LOCKS: list[int] = []
+_EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
 
 
 @dataclass
@@ -354,11 +356,17 @@ def _attr(study: optuna.Study, trial: optuna.trial.Trial, key: str) -> Any:
 
 
 def _reason(log: Path, code: int) -> str:
-    """The one line that says why a trial process failed: its ``error:`` line or the exception's last line."""
+    """The one line that says why a trial process failed: its ``error:`` line, else the root exception's line."""
     text = log.read_text(errors="replace") if log.is_file() else ""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # The log holds every start of the trial: read the last one's.
+    text = text[max(text.rfind("\nRun "), 0) :]
+    lines = [line.rstrip() for line in text.splitlines()]
     for line in reversed(lines):
-        if line.startswith("error:") or "Error:" in line or "Exception:" in line:
+        if line.startswith("error:"):
+            return line[:300]
+    # Python prints a chain of exceptions root cause first.
+    for line in lines:
+        if _EXCEPTION.match(line):
             return line[:300]
     return f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
 
