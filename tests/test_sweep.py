@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,6 +121,7 @@ def test_objective_the_module_never_logs_is_named(run_cli, tmp_path: Path) -> No
 
 
 # -- the example sweep -------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(WAIT)
 def test_example_sweep_with_pruning_and_best_yaml_reproduces_the_best_trial(run_cli, tmp_path: Path) -> None:
     (tmp_path / "s.yaml").write_text("sweep:\n  name: s\n  n_trials: 3\n")
     done = run_cli("sweep", "--config", CONFIGS / "sweep.yaml", "--config", "s.yaml", *TINY, timeout=WAIT)
@@ -150,6 +152,7 @@ PACED = """trainer:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
 def test_sigkill_mid_trial_then_the_same_command_continues(tmp_path: Path) -> None:
     (tmp_path / "paced.yaml").write_text(PACED)
     args = _sweep_args(tmp_path, n_trials=3, extra="  pruner: none\n")
@@ -181,6 +184,7 @@ def test_sigkill_mid_trial_then_the_same_command_continues(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
 def test_two_worker_processes_share_the_embedded_study(tmp_path: Path) -> None:
     args = _sweep_args(tmp_path, n_trials=4, extra="  pruner: none\n")
     workers = [_start(args, tmp_path) for _ in range(2)]
@@ -209,26 +213,21 @@ def _postgres() -> tuple[Path, Path] | None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
 @pytest.mark.skipif(_postgres() is None, reason="PostgreSQL is not installed (apt-get install postgresql)")
 def test_two_workers_on_a_postgresql_server(tmp_path: Path) -> None:
     initdb, pg_ctl = _postgres()
-    data, port = tmp_path / "pg", _free_port()
-    data.mkdir()
-    # PostgreSQL refuses to run as root: the server runs as an unprivileged user in the test's folder.
+    # PostgreSQL refuses to run as root: as root the server runs as an unprivileged user, in a folder of its own
+    # (pytest's temporary folders are private to root).
     as_user = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
+    data, port = Path(tempfile.mkdtemp(prefix="sweep-pg-")), _free_port()
     if as_user:
-        os.chmod(tmp_path, 0o777)
         shutil.chown(data, "nobody")
-    subprocess.run(
-        [*as_user, initdb, "-D", data, "-U", "sweep", "--auth=trust"], check=True, capture_output=True, timeout=120
-    )
+    init = [*as_user, initdb, "-D", data, "-U", "sweep", "--auth=trust"]
+    subprocess.run(init, check=True, capture_output=True, timeout=120, cwd=data)
     options = f"-k {data} -h 127.0.0.1 -p {port}"
-    subprocess.run(
-        [*as_user, pg_ctl, "-D", data, "-o", options, "-w", "-t", "60", "-l", data / "log", "start"],
-        check=True,
-        capture_output=True,
-        timeout=90,
-    )
+    start = [*as_user, pg_ctl, "-D", data, "-o", options, "-w", "-t", "60", "-l", data / "log", "start"]
+    subprocess.run(start, check=True, capture_output=True, timeout=90, cwd=data)
     try:
         url = f"postgresql://sweep@127.0.0.1:{port}/postgres"
         args = _sweep_args(tmp_path, n_trials=4, extra=f"  pruner: none\n  storage: {url}\n")
@@ -237,16 +236,19 @@ def test_two_workers_on_a_postgresql_server(tmp_path: Path) -> None:
         assert [w.returncode for w in workers] == [0, 0], outs
         _check_shared(tmp_path / "lightning_logs" / "s", optuna.load_study(study_name="s", storage=url), 4)
     finally:
-        subprocess.run([*as_user, pg_ctl, "-D", data, "-m", "immediate", "-w", "stop"], capture_output=True, timeout=60)
+        stop = [*as_user, pg_ctl, "-D", data, "-m", "immediate", "-w", "stop"]
+        subprocess.run(stop, capture_output=True, timeout=60, cwd=data)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
 def test_ddp_trial_is_pruned_with_a_checkpoint(tmp_path: Path, run_cli) -> None:
     # Trials 0 and 1 learn; trial 2 (lr 1e-6) is below their median at its first validation.
     lr = "model.optimizer.init_args.lr"
     lrs = f"[{{{lr}: 0.01}}, {{{lr}: 0.003}}, {{{lr}: 1.0e-6}}]"
     args = _sweep_args(tmp_path, n_trials=3, extra=f"  enqueue: {lrs}\n", config="ddp_cpu.yaml")
-    args[args.index("--trainer.max_epochs=3")] = "--trainer.max_epochs=30"
+    args[args.index("--trainer.max_epochs=3")] = "--trainer.max_epochs=6"
     done = run_cli(*args, timeout=WAIT, env=_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     folder = tmp_path / "lightning_logs" / "s"
@@ -255,10 +257,11 @@ def test_ddp_trial_is_pruned_with_a_checkpoint(tmp_path: Path, run_cli) -> None:
     assert pruned.state.name == "PRUNED", _states(study)
     assert (folder / "trial-0002" / "checkpoints" / "interrupted.ckpt").is_file()
     assert "Stopping on SIGTERM" in (folder / "trial-0002.log").read_text()
-    assert len(_steps(folder / "trial-0002")) < 30 * 4
+    assert len(_steps(folder / "trial-0002")) < 6 * 4
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
 def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(tmp_path: Path, run_cli) -> None:
     dropout = "    model.net.init_args.dropout: {type: categorical, choices: [0.1, 2.0]}\n"
     enqueue = "  enqueue: [{model.net.init_args.dropout: 2.0}, {model.net.init_args.dropout: 0.1}]\n"
