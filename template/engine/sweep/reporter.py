@@ -35,10 +35,13 @@ class ObjectiveReporter(Callback):
                 f"{NOT_LOGGED} '{self.monitor}' is never logged by the module (it logs: {logged}); set "
                 "sweep.objective or checkpoint.monitor to one of those"
             )
-        if trainer.sanity_checking or not trainer.is_global_zero or trainer.log_dir is None:
+        if trainer.sanity_checking:
+            return
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks
+        if not trainer.is_global_zero or log_dir is None:
             return
         value = float(metrics[self.monitor])
         # NaN stays NaN (Python's json reads it back): the driver records the trial as failed.
         line = json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch, "value": value})
-        with (Path(trainer.log_dir) / REPORTS).open("a") as f:
+        with (Path(log_dir) / REPORTS).open("a") as f:
             f.write(line + "\n")
