@@ -112,6 +112,8 @@ def test_bad_input_is_one_line_and_writes_nothing(case: str, run_main, tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(WAIT)
 def test_objective_the_module_never_logs_is_named(run_cli, tmp_path: Path) -> None:
     args = _sweep_args(tmp_path, n_trials=1, extra="  objective: val_f1\n")
     done = run_cli(*args, timeout=WAIT)
