@@ -30,10 +30,14 @@ def test_run_name(configured: str | None, environ: dict[str, str], expected: str
     assert run_name(configured, environ) == expected
 
 
-@pytest.mark.parametrize("bad", ["../x", "a/b", "..", "", "-x"])
+@pytest.mark.parametrize("bad", ["../x", "a/b/c", "a/", "a/..", "..", "", "-x"])
 def test_a_run_name_that_is_not_a_folder_name_is_one_line(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"run.name=.* is not a folder name; use letters, digits"):
         run_name(bad, {})
+
+
+def test_a_sweep_trial_is_a_run_one_level_down() -> None:
+    assert run_name("digits-lr/trial-0003", {}) == "digits-lr/trial-0003"
 
 
 def test_newest_checkpoint_prefers_the_latest_then_last(tmp_path: Path) -> None:

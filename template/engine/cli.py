@@ -64,6 +64,10 @@ COMMANDS: dict[str, Command] = {
     "test": Command("Evaluate a checkpoint on the test data"),
     "predict": Command("Write a checkpoint's predictions to a CSV file"),
     "export": Command("Write a checkpoint's network weights for plain PyTorch", f"{__package__}.export:main"),
+    "sweep": Command(
+        "Search hyper-parameters with Optuna: each trial a fit in its own process (sweep: section)",
+        f"{__package__}.sweep:main",
+    ),
     "runs": Command(
         "List the runs under a folder in one table (status, best score, speed, config differences)",
         f"{__package__}.runs:main",
@@ -356,7 +360,7 @@ def _plain_commands_help() -> str | None:
     if not plain:
         return None
     listed = "; ".join(f"{name}: {c.description}" for name, c in plain.items())
-    return f"Subcommands without a Trainer: {listed}. Each subcommand has its own --help."
+    return f"Also: {listed}. Each subcommand has its own --help."
 
 
 def main(args: list[str] | None = None) -> None:
@@ -371,9 +375,11 @@ def main(args: list[str] | None = None) -> None:
     try:
         command = COMMANDS.get(argv[0]) if argv else None
         if command is not None and command.runs is not None:
-            # A plain-PyTorch command: no Trainer, no LightningCLI.
+            # A command of its own: no LightningCLI (sweep starts fit processes).
             module, function = command.runs.split(":")
-            getattr(importlib.import_module(module), function)(argv[1:])
+            code = getattr(importlib.import_module(module), function)(argv[1:])
+            if code:
+                sys.exit(code)
             return
         build_cli(args)
     except ConfigError as err:

@@ -19,6 +19,8 @@ LOGS = "lightning_logs"
 # Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
 _INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A sweep's trials are runs one level down: <sweep name>/<trial>.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 class RunOptions:
@@ -40,7 +42,7 @@ class RunOptions:
 def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.environ) -> str | None:
     """The run's name: the configured one, else the SLURM batch job's or torchrun's run id; None for neither."""
     if configured is not None:
-        if not _NAME.fullmatch(configured) or configured in (".", ".."):
+        if not _RUN_NAME.fullmatch(configured) or configured in (".", ".."):
             raise ConfigError(
                 f"run.name={configured!r} is not a folder name; use letters, digits, '.', '_' and '-', e.g. "
                 "--run.name=digits-lr3e-4"

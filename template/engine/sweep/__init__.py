@@ -1,0 +1,27 @@
+"""``python -m template sweep --config configs/sweep.yaml``: an Optuna search whose trials are real ``fit`` runs.
+
+Modules: ``options`` (the ``sweep:`` section), ``fitconfig`` (each trial's config, by the fit parser),
+``reporter`` (the trial's callback writing the objective per validation), ``driver`` (trials as processes,
+pruning, restarts, several workers), ``results`` (table, ``best.yaml``, plots), ``study`` (Optuna's storage).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    """Run or continue the sweep the arguments describe; the exit code."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        from template.engine.errors import ConfigError
+
+        raise ConfigError("the sweep needs Optuna; install the extra: pip install -e '.[sweep]'") from None
+    from template.engine.sweep.study import run_sweep
+
+    return run_sweep(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

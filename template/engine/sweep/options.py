@@ -1,0 +1,212 @@
+"""The ``sweep:`` section and the command line of ``python -m template sweep``: read, checked, split from the fit's."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from jsonargparse import ArgumentParser
+
+from template.engine.errors import ConfigError, explain_parser_error
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_TYPES = ("float", "int", "categorical")
+
+
+class Sweep:
+    """The ``sweep`` section: a hyper-parameter search whose trials are ``fit`` runs of the rest of the config."""
+
+    def __init__(
+        self,
+        name: str,
+        space: dict[str, dict[str, Any]],
+        n_trials: int = 20,
+        workers: int = 1,
+        storage: str | None = None,
+        objective: str | None = None,
+        direction: Literal["minimize", "maximize"] | None = None,
+        sampler: Literal["tpe", "random"] = "tpe",
+        seed: int | None = 0,
+        pruner: Literal["median", "hyperband", "none"] = "median",
+        max_failures: int = 3,
+        heartbeat: float = 30.0,
+        enqueue: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """``name``: the study, and its folder ``lightning_logs/<name>/``.
+
+        ``space``: option -> ``{type: float|int, low, high, log, step}`` or ``{type: categorical, choices}``.
+        ``n_trials``: trials that finish (complete or pruned); failed ones are replaced. ``workers``: trials at once
+        in this process. ``storage``: null for a journal file in the sweep folder, an Optuna database URL
+        (``postgresql://...``, ``mysql://...``, ``sqlite:///...``) or the path of a journal file on a shared disk.
+        ``objective``/``direction``: default ``checkpoint.monitor`` and ``checkpoint.mode``; a trial scores its best
+        value. ``sampler``/``seed``: Optuna's TPE or random sampler. ``pruner``: Optuna's median or hyperband
+        pruner on the value at each validation, or none. ``max_failures``: failed trials in a row that stop the
+        sweep. ``heartbeat``: seconds between a running trial's heartbeats in a database storage; a trial silent for
+        4 heartbeats (its worker died) is failed and run again from its checkpoint by the next worker.
+        ``enqueue``: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
+        """
+        self.name = name
+        self.space = space
+        self.n_trials = n_trials
+        self.workers = workers
+        self.storage = storage
+        self.objective = objective
+        self.direction = direction
+        self.sampler = sampler
+        self.seed = seed
+        self.pruner = pruner
+        self.max_failures = max_failures
+        self.heartbeat = heartbeat
+        self.enqueue = enqueue
+
+
+@dataclass
+class Param:
+    """One dimension of the search space."""
+
+    key: str
+    type: str
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = None
+    choices: list[Any] | None = None
+
+    def example(self) -> Any:
+        """A value of the space, to check that the fit parser takes the option."""
+        if self.type == "categorical":
+            return self.choices[0]
+        return int(self.low) if self.type == "int" else float(self.low)
+
+
+@dataclass
+class Command:
+    """``sweep`` arguments, split: the sweep's options, and the ``fit`` arguments every trial starts from."""
+
+    sweep: Sweep
+    space: list[Param]
+    fit_args: list[str]
+
+
+def parse_command(argv: list[str]) -> Command:
+    """Read the ``sweep:`` section of the ``--config`` files and the ``--sweep.*`` options; the rest is the fit's."""
+    configs, sweep_args, fit_args = [], [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            configs.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            configs.append(arg.split("=", 1)[1])
+        elif arg.startswith("--sweep.") or arg == "--sweep" or arg.startswith("--sweep="):
+            sweep_args.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                sweep_args.append(argv[i + 1])
+                i += 1
+        else:
+            fit_args.append(arg)
+        i += 1
+    section: dict[str, Any] = {}
+    texts = []
+    for path in configs:
+        content = _read_yaml(path)
+        part = content.pop("sweep", None)
+        if part is not None and not isinstance(part, dict):
+            raise ConfigError(f"the sweep section of '{path}' is not a mapping; write `sweep:` with name, space, ...")
+        section = _merge(section, part or {})
+        # The fit parser gets the file without its sweep section, as YAML text (jsonargparse reads either).
+        texts.append(yaml.safe_dump(content, sort_keys=False) if content else "{}")
+    fit_args = [*(arg for text in texts for arg in ("--config", text)), *fit_args]
+    if not section and not sweep_args:
+        raise ConfigError("no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml")
+    parser = ArgumentParser(prog="python -m template sweep", exit_on_error=False, default_config_files=[])
+    parser.add_argument("--section", action="config")
+    parser.add_class_arguments(Sweep, "sweep", instantiate=True)
+    try:
+        parsed = parser.parse_args(["--section", yaml.safe_dump({"sweep": section}), *sweep_args])
+        sweep = parser.instantiate_classes(parsed).sweep
+    except Exception as err:  # jsonargparse's ArgumentError and friends; the message names the key
+        raise ConfigError(explain_parser_error(str(err))) from None
+    return Command(sweep, check(sweep), fit_args)
+
+
+def check(sweep: Sweep) -> list[Param]:
+    """Every mistake in the sweep's options that needs no fit config, as one line; the search space."""
+    if not _NAME.fullmatch(sweep.name):
+        raise ConfigError(
+            f"sweep.name={sweep.name!r} is not a folder name; use letters, digits, '.', '_' and '-', e.g. digits-lr"
+        )
+    for key, least in (("n_trials", 1), ("workers", 1), ("max_failures", 1)):
+        if getattr(sweep, key) < least:
+            raise ConfigError(f"sweep.{key}={getattr(sweep, key)} must be >= {least}")
+    if not sweep.heartbeat > 0:
+        raise ConfigError(f"sweep.heartbeat={sweep.heartbeat} must be a number of seconds > 0")
+    if not sweep.space:
+        raise ConfigError("sweep.space is empty; add the options to search, e.g. model.optimizer.init_args.lr")
+    space = [_param(key, spec) for key, spec in sweep.space.items()]
+    for values in sweep.enqueue or []:
+        if unknown := sorted(set(values) - set(sweep.space)):
+            raise ConfigError(f"sweep.enqueue sets {', '.join(unknown)}, not in sweep.space; add it there")
+    return space
+
+
+def _param(key: str, spec: Any) -> Param:
+    where = f"sweep.space['{key}']"
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{where} is {spec!r}; write {{type: float, low: ..., high: ...}} or {{type: categorical}}")
+    kind = spec.get("type")
+    if kind not in _TYPES:
+        raise ConfigError(f"{where} has type {kind!r}; use one of: {', '.join(_TYPES)}")
+    allowed = {"type", "choices"} if kind == "categorical" else {"type", "low", "high", "log", "step"}
+    if extra := sorted(set(spec) - allowed):
+        raise ConfigError(f"{where} has unknown field(s) {', '.join(extra)} for type {kind}; use {sorted(allowed)}")
+    if kind == "categorical":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise ConfigError(f"{where} has no choices; list at least one, e.g. choices: [32, 64]")
+        return Param(key, kind, choices=choices)
+    low, high, log, step = spec.get("low"), spec.get("high"), spec.get("log", False), spec.get("step")
+    for name, value in (("low", low), ("high", high)):
+        number = int if kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value):
+            raise ConfigError(f"{where}.{name} is {value!r}; give a finite {'integer' if kind == 'int' else 'number'}")
+    if low >= high:
+        raise ConfigError(f"{where} has low={low} >= high={high}; low must be below high")
+    if not isinstance(log, bool):
+        raise ConfigError(f"{where}.log is {log!r}; use true or false")
+    if log and low <= 0:
+        raise ConfigError(f"{where} has log: true with low={low}; a log scale needs low > 0")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0):
+        raise ConfigError(f"{where}.step is {step!r}; give a number > 0, or leave it out")
+    if step is not None and log:
+        raise ConfigError(f"{where} has both step and log: true; Optuna takes one of them")
+    return Param(key, kind, low=low, high=high, log=log, step=step)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist; check the path given to --config")
+    try:
+        content = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file '{path}' is not valid YAML: {getattr(err, 'problem', err)}{where}") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"config file '{path}' does not hold a mapping of options")
+    return content
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """A later config's sweep section wins key by key (``space`` entries too)."""
+    merged = dict(base)
+    for key, value in update.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if both else value
+    return merged

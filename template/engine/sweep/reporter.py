@@ -1,0 +1,47 @@
+"""The trial's side of a sweep: the objective's value at each validation, appended to a file the driver reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from template.engine.errors import ConfigError
+
+REPORTS = "objective.jsonl"
+NOT_LOGGED = "the sweep's objective"
+
+
+class ObjectiveReporter(Callback):
+    """Appends ``{"step", "epoch", "value"}`` of ``monitor`` to ``<run folder>/objective.jsonl`` after each validation.
+
+    The driver reads the file while the trial runs, so it sees each value at once (the CSV log reaches the disk
+    every few seconds) and can prune the trial. Under DDP the logged value is already reduced over the processes:
+    rank zero writes it.
+    """
+
+    def __init__(self, monitor: str) -> None:
+        self.monitor = monitor
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            # The sanity check already shows it: the run would otherwise train to the end for no score.
+            logged = ", ".join(sorted(metrics)) or "nothing during validation"
+            raise ConfigError(
+                f"{NOT_LOGGED} '{self.monitor}' is never logged by the module (it logs: {logged}); set "
+                "sweep.objective or checkpoint.monitor to one of those"
+            )
+        if trainer.sanity_checking:
+            return
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks
+        if not trainer.is_global_zero or log_dir is None:
+            return
+        value = float(metrics[self.monitor])
+        # NaN stays NaN (Python's json reads it back): the driver records the trial as failed.
+        line = json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch, "value": value})
+        with (Path(log_dir) / REPORTS).open("a") as f:
+            f.write(line + "\n")

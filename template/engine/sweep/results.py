@@ -1,0 +1,97 @@
+"""What a finished sweep leaves: the table (terminal and CSV), ``best.yaml`` and Optuna's plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+import warnings
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from optuna.trial import TrialState
+
+from template.engine.atomic import atomic_write
+from template.engine.sweep.fitconfig import reproduction
+
+TABLE = "trials.csv"
+BEST = "best.yaml"
+
+
+def write_results(study: optuna.Study, folder: Path, objective: str) -> None:
+    """Print the table of trials and write it, ``best.yaml`` and the PNG plots into the sweep folder."""
+    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
+    keys = sorted({k for t in trials for k in t.params})
+    header = ["trial", *keys, objective, "state", "seconds", "folder", "reason"]
+    rows = [
+        [
+            t.number,
+            *(t.params.get(k, "") for k in keys),
+            "" if t.value is None else t.value,
+            t.state.name.lower(),
+            t.user_attrs.get("seconds", ""),
+            str(folder / t.user_attrs.get("folder", "")),
+            t.user_attrs.get("reason", ""),
+        ]
+        for t in trials
+    ]
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(header)
+    writer.writerows(rows)
+    atomic_write(folder / TABLE, lambda f: f.write(text.getvalue().encode()))
+    print(_format(header, rows))
+    print(f"Table: {folder / TABLE}")
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if complete:
+        best = study.best_trial
+        config = yaml.safe_load((folder / f"{best.user_attrs['folder']}.yaml").read_text())
+        text_best = yaml.safe_dump(reproduction(config), sort_keys=False)
+        atomic_write(folder / BEST, lambda f: f.write(text_best.encode()))
+        print(f"Best: trial {best.number}, {objective}={best.value:.6g}; reproduce it with")
+        print(f"  python -m {__package__.split('.')[0]} fit --config {folder / BEST}")
+    for name in _plots(study, folder):
+        print(f"Plot: {folder / name}")
+
+
+def _format(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(value: Any) -> str:
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+    table = [header, *([cell(v) for v in row] for row in rows)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
+
+
+def _plots(study: optuna.Study, folder: Path) -> list[str]:
+    """Optuna's matplotlib plots; each needs enough complete trials (importances: two parameters or more)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from optuna.visualization import matplotlib as plots
+    except ImportError:
+        print("Plots need matplotlib: pip install -e '.[sweep]'")
+        return []
+    written = []
+    for name, plot in (
+        ("history.png", plots.plot_optimization_history),
+        ("importances.png", plots.plot_param_importances),
+        ("parallel_coordinates.png", plots.plot_parallel_coordinate),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+            try:
+                axes = plot(study)
+            except (ValueError, RuntimeError, ZeroDivisionError):
+                continue  # too few complete trials for this plot
+        figure = getattr(axes, "figure", None) or axes.flat[0].figure
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+        plt.close(figure)
+        data = buffer.getvalue()
+        atomic_write(folder / name, lambda f, data=data: f.write(data))
+        written.append(name)
+    return written
