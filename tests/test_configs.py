@@ -113,6 +113,7 @@ def test_every_config_file_has_a_case() -> None:
     assert not unknown, f"add a case for {unknown} to tests/test_configs.py"
 
 
+@pytest.mark.slow  # one training subprocess per shipped file: a staleness guard for CI
 @pytest.mark.parametrize("name", _params())
 def test_config_runs_a_few_steps(name: str, run_cli, tmp_path: Path) -> None:
     try:

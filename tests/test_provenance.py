@@ -79,7 +79,7 @@ def test_each_start_of_a_run_is_appended(run_main, tmp_path: Path) -> None:
     assert (second["world_size"], second["num_nodes"], second["devices"]) == (1, 1, ["cpu"])
     assert second["hosts"] and second["seconds"] > 0
     git = second["git"]
-    if git["commit"] is None:  # a baked project before its first commit, or no git
+    if git["commit"] is None:  # a new project before its first commit, or no git
         assert git["reason"]
         return
     assert len(git["commit"]) == 40

@@ -62,6 +62,7 @@ def three_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow  # three training subprocesses
 def test_runs_table_shows_each_status(three_runs: Path, run_cli) -> None:
     result = run_cli("runs", "--csv", "runs.csv", cwd=three_runs)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -91,6 +92,7 @@ def test_runs_table_shows_each_status(three_runs: Path, run_cli) -> None:
     assert any(line.startswith("interrupted") and "interrupted (SIGTERM)" in line for line in lines)
 
 
+@pytest.mark.slow  # shares the three training subprocesses above
 def test_runs_reads_files_without_importing_torch(three_runs: Path) -> None:
     code = (
         "import sys; from template.engine.runs import main; main([sys.argv[1]]); "
@@ -103,6 +105,7 @@ def test_runs_reads_files_without_importing_torch(three_runs: Path) -> None:
     assert "failed (RuntimeError: planted failure on rank 0)" in done.stdout
 
 
+@pytest.mark.slow  # a training subprocess killed mid-run
 def test_a_killed_run_shows_killed(tmp_path: Path, run_cli) -> None:
     run = tmp_path / "lightning_logs" / "gone"
     run.mkdir(parents=True)

@@ -123,6 +123,7 @@ def test_objective_the_module_never_logs_is_named(run_cli, tmp_path: Path) -> No
 
 
 # -- the example sweep -------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # four fit processes
 @pytest.mark.timeout(WAIT)
 def test_example_sweep_with_pruning_and_best_yaml_reproduces_the_best_trial(run_cli, tmp_path: Path) -> None:
     (tmp_path / "s.yaml").write_text("sweep:\n  name: s\n  n_trials: 3\n")

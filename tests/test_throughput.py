@@ -95,6 +95,7 @@ def test_summary_line() -> None:
     )
 
 
+@pytest.mark.slow  # a training subprocess; the unit tests above cover the callback
 def test_the_command_line_logs_and_prints_throughput(run_cli, tmp_path: Path) -> None:
     result = run_cli(
         "fit", "--config", CONFIGS / "default.yaml", "--trainer.max_epochs=2", "--trainer.limit_train_batches=5",
@@ -110,6 +111,7 @@ def test_the_command_line_logs_and_prints_throughput(run_cli, tmp_path: Path) ->
     assert table[2].split()[6] == f"{values[-1]:.0f}"  # the runs table's samples/s column
 
 
+@pytest.mark.slow  # a training subprocess
 def test_switched_off(run_cli, tmp_path: Path) -> None:
     result = run_cli(
         "fit", "--config", CONFIGS / "default.yaml", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",

@@ -94,6 +94,10 @@ class Command:
 
 def parse_command(argv: list[str]) -> Command:
     """Read the ``sweep:`` section of the ``--config`` files and the ``--sweep.*`` options; the rest is the fit's."""
+    if "-h" in argv or "--help" in argv:
+        _parser().print_help()
+        print(f"\nEvery other option is fit's: {_parser().prog.rsplit(' ', 1)[0]} fit --help")
+        raise SystemExit(0)
     configs, sweep_args, fit_args = [], [], []
     i = 0
     while i < len(argv):
@@ -125,15 +129,21 @@ def parse_command(argv: list[str]) -> Command:
     fit_args = [*(arg for text in texts for arg in ("--config", text)), *fit_args]
     if not section and not sweep_args:
         raise ConfigError("no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml")
-    parser = ArgumentParser(prog="python -m template sweep", exit_on_error=False, default_config_files=[])
-    parser.add_argument("--section", action="config")
-    parser.add_class_arguments(Sweep, "sweep", instantiate=True)
+    parser = _parser()
     try:
         parsed = parser.parse_args(["--section", yaml.safe_dump({"sweep": section}), *sweep_args])
         sweep = parser.instantiate_classes(parsed).sweep
     except Exception as err:  # jsonargparse's ArgumentError and friends; the message names the key
         raise ConfigError(explain_parser_error(str(err))) from None
     return Command(sweep, check(sweep), fit_args)
+
+
+def _parser() -> ArgumentParser:
+    """The ``sweep.*`` options (``Sweep``'s signature), read from the configs' sweep sections and the command line."""
+    parser = ArgumentParser(prog="python -m template sweep", exit_on_error=False, default_config_files=[])
+    parser.add_argument("--section", action="config", help="the merged sweep: sections of the --config files")
+    parser.add_class_arguments(Sweep, "sweep", instantiate=True)
+    return parser
 
 
 def check(sweep: Sweep) -> list[Param]:
