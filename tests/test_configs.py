@@ -128,10 +128,12 @@ def test_config_runs_a_few_steps(name: str, run_cli, tmp_path: Path) -> None:
     if _is_sweep(name):
         if not _has_sweep_command():
             pytest.skip(f"{name} has a `sweep:` section but `python -m ... sweep` does not exist yet")
-        result = run_cli(
-            "sweep", *extra, "--config", config, "--sweep.n_trials=2", *FEW_STEPS, env=env, timeout=timeout
-        )
+        # A trial scores at its validations: three-step epochs, so that the few steps end with one.
+        few = (*FEW_STEPS, "--trainer.limit_train_batches=3")
+        result = run_cli("sweep", *extra, "--config", config, "--sweep.n_trials=2", *few, env=env, timeout=timeout)
         assert result.returncode == 0, result.stderr[-3000:]
+        folder = tmp_path / "lightning_logs" / yaml.safe_load(config.read_text())["sweep"]["name"]
+        assert (folder / "best.yaml").is_file() and len((folder / "trials.csv").read_text().splitlines()) == 3
         return
     # A tracker or a preset goes after the config it is stacked on.
     arguments = (*extra, "--config", config) if "--config" in extra else ("--config", config, *extra)
