@@ -69,7 +69,8 @@ def test_sigkill_during_saves_never_corrupts_or_leaks(tmp_path: Path, tmpdir_on:
     assert (tmpdir.stat().st_dev != tmp_path.stat().st_dev) == (tmpdir_on == "other-filesystem")
     target = tmp_path / "checkpoints" / "last.ckpt"
     ctx = multiprocessing.get_context("fork")
-    saving, saved = ctx.Value("i", 0), ctx.Value("i", 0)
+    # No lock: a writer SIGKILLed while holding a Value's lock would leave this process waiting on it forever.
+    saving, saved = ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False)
     corrupt, leaked, during_write, last_step = 0, 0, 0, 0
     rng = random.Random(0)
     try:

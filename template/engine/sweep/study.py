@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,30 @@ def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage |
             raise ConfigError(f"sweep.storage={url!r}: folder {Path(url).parent} does not exist; create it first")
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+        return _rdb_storage(url)
     except Exception as err:  # SQLAlchemy's OperationalError, a missing driver module, a malformed URL...
         reason = " ".join(str(err).split()).split("(Background on this error")[0][:300]
         raise ConfigError(
             f"sweep.storage {_without_password(url)} cannot be reached ({reason}); check the URL and that the "
             "database server is running, or use storage: null for a file in the sweep folder"
         ) from None
+
+
+def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Optuna's RDBStorage; several workers starting at once on a new database race to create its tables, and the
+    losers' CREATE fails with a duplicate: they try again and find the tables made."""
+    import sqlalchemy.exc
+
+    for attempt in range(attempts):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _engine_kwargs(url: str) -> dict[str, Any]:
