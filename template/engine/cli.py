@@ -31,7 +31,14 @@ from template.engine.cadence import LogCadence
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
 from template.engine.ema import EMAOptions
-from template.engine.errors import ConfigError, DiskError, config_error_in, explain_parser_error, one_line
+from template.engine.errors import (
+    ConfigError,
+    DiskError,
+    config_error_in,
+    disk_error_in,
+    explain_parser_error,
+    one_line,
+)
 from template.engine.final_test import evaluate_best
 from template.engine.gpus import add_gpu_arguments
 from template.engine.predictions import PredictionWriter
@@ -387,4 +394,11 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(2)
     except DiskError as err:
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
+    except OSError as err:
+        # A write Lightning or a library makes (hparams.yaml, event files) fails on the disk: one line, like ours.
+        disk = disk_error_in(err)
+        if disk is None:
+            raise
+        print(f"error: {disk}", file=sys.stderr)
         sys.exit(3)

@@ -124,3 +124,18 @@ def disk_error(err: OSError, path: str | os.PathLike, kept: str) -> DiskError | 
         "--trainer.default_root_dir to "
         f"another disk, then run the same command again ({kept})"
     )
+
+
+def disk_error_in(err: BaseException) -> DiskError | None:
+    """The DiskError that ``err`` is or was caused by, or one for an OSError of the disk in its chain; else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, DiskError):
+            return err
+        if isinstance(err, OSError) and err.filename is not None:
+            found = disk_error(err, err.filename, kept="nothing else was changed")
+            if found is not None:
+                return found
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
