@@ -162,3 +162,8 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def prove_writable(directory: str | os.PathLike, option: str) -> None:
+    """Placeholder until the disk branch lands: create ``directory``."""
+    Path(directory).mkdir(parents=True, exist_ok=True)

@@ -26,24 +26,24 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 import template
-from template.engine import checkpoints, internals, wiring
+from template.engine import blame, checkpoints, internals, preflight, wiring
 from template.engine.cadence import LogCadence
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
 from template.engine.ema import EMAOptions
 from template.engine.errors import (
     ConfigError,
-    DiskError,
     config_error_in,
     disk_error_in,
     explain_parser_error,
+    explain_trainer_error,
     one_line,
 )
 from template.engine.final_test import evaluate_best
 from template.engine.gpus import add_gpu_arguments
 from template.engine.predictions import PredictionWriter
 from template.engine.resume import RNGStateCheckpoint
-from template.engine.run import Run, RunConfigCallback, RunOptions, continue_run
+from template.engine.run import Run, RunConfigCallback, RunOptions, claim, continue_run, discard_unstarted, run_name
 from template.engine.scaling import BatchScaling
 from template.engine.throughput import ThroughputLog
 from template.engine.watchdog import HangWatchdog
@@ -125,6 +125,7 @@ class CLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        self.sections = parser.groups  # trainer, model, data: `trainer:` in a config file must be a mapping
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(BatchScaling, "scaling")
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
@@ -164,8 +165,7 @@ class CLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # jsonargparse reports broken YAML without saying which file; name it first.
-        if args is None or isinstance(args, (list, tuple)):
-            _check_yaml_files(sys.argv[1:] if args is None else list(args))
+        files = _check_yaml_files(sys.argv[1:] if args is None else list(args)) if not isinstance(args, dict) else {}
         print_config = internals.print_config_action()
         # --print_config prints below, once the configuration is what the run will use.
         with print_config.skip_print_config():
@@ -178,6 +178,7 @@ class CLI(LightningCLI):
                 # signature's defaults and only what the configs set.
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in chosen.items()})
                 super().parse_arguments(parser, args)
+        _check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
         settle(self.config[subcommand] if subcommand else self.config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
 
@@ -192,12 +193,18 @@ class CLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except ValueError as err:
+        except Exception as err:
             # jsonargparse wraps a ConfigError raised by a model or DataModule constructor in its own message.
             cause = config_error_in(err)
-            if cause is None:
+            if cause is not None:
+                raise cause from None
+            # A value a library refused while a configured class was built (dropout=1.5, mode=maximum), or a
+            # package it needs that is missing (a tracker's extra): one line naming the option.
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            refused = blame.refusal(err, "the configuration", blame.leaves(config, ""))
+            if refused is None:
                 raise
-            raise cause from None
+            raise refused from None
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -226,6 +233,18 @@ class CLI(LightningCLI):
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.
         # Also before Lightning's process group: a torchrun restart needs one apart from the failed attempt's.
+        subcommand = self.subcommand or "fit"
+        config = self.config[subcommand] if self.subcommand else self.config
+        preflight.check_trainer_counts(config)
+        if subcommand == "fit":
+            preflight.build_optimizers(config, self.model)
+        elif config.get("ckpt_path") is None:
+            print(
+                f"warning: no --ckpt_path: {subcommand} runs on the module's untrained weights; pass a checkpoint "
+                "(--ckpt_path FILE, or --ckpt_path last for the newest run's)",
+                file=sys.stderr,
+            )
+        _claim_run_folder(self.trainer, config, subcommand)
         join_restarted_group(self.trainer)
         for callback in self.trainer.callbacks:
             if isinstance(callback, BatchScaling):
@@ -254,8 +273,9 @@ def settle(config: Any, subcommand: str | None) -> None:
     anything reads them. Printed by --print_config and saved as config.yaml, so both show what the run uses.
     """
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
-        for key, value in EXAMPLE_MONITOR.items():
-            config[key] = value
+        config["checkpoint.monitor"] = EXAMPLE_MONITOR["checkpoint.monitor"]
+        if config.get("checkpoint.mode") == "min":  # ModelCheckpoint's default; a value of the user's stays theirs
+            config["checkpoint.mode"] = EXAMPLE_MONITOR["checkpoint.mode"]
     monitor = config.get("checkpoint.monitor")
     if monitor is None and config.get("checkpoint.save_top_k") == 1:
         # Without a score, a second copy of last.ckpt under another name would be all "top k" keeps.
@@ -277,6 +297,16 @@ def settle(config: Any, subcommand: str | None) -> None:
         config["ckpt_path"] = run.ckpt_path
         if (line := run.describe()) is not None:
             rank_zero_info(line)
+
+
+def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
+    """Create the run's folder, prove it writable and lock it for this process, before anything is written there."""
+    if trainer.log_dir is None:
+        return
+    name = run_name(config.get("run.name")) if subcommand == "fit" else None
+    folder = claim(trainer.log_dir, name, option="--trainer.default_root_dir")
+    if folder is not None:
+        folder.trainer = trainer
 
 
 def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
@@ -306,31 +336,64 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
     return len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
 
 
-def _attribute(name: str):  # noqa: ANN202 - jsonargparse calls it with the instantiated data module
-    """A link function reading ``name`` from the data module, or None when it has no such attribute."""
+class _attribute:  # noqa: N801 - used like a function in the links above
+    """A link function reading ``name`` from the data module, or None when it has no such attribute.
 
-    def read(data: LightningDataModule) -> Any:
-        value = getattr(data, name, None)
+    A class rather than a closure: ``ddp_spawn`` pickles the model, whose hyper-parameters hold the links.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, data: LightningDataModule) -> Any:
+        value = getattr(data, self.name, None)
         return list(value) if isinstance(value, tuple) else value
 
-    return read
 
-
-def _check_yaml_files(argv: list[str]) -> None:
-    """Raise a ConfigError naming the first ``--config`` file that is not valid YAML."""
+def _check_yaml_files(argv: list[str]) -> dict[str, Any]:
+    """The ``--config`` files' contents by path; a ConfigError naming the first that is not valid YAML."""
     paths = [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    files = {}
     for path in paths:
         if not Path(path).is_file():
             continue  # jsonargparse reports a missing file itself
         try:
-            yaml.safe_load(Path(path).read_text())
+            files[path] = yaml.safe_load(Path(path).read_text())
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(err, "problem", None) or one_line(err)
             message = f"config file '{path}' is not valid YAML: {problem}{where}; fix the syntax there"
             raise ConfigError(message) from None
+    return files
+
+
+def _check_sections(files: dict[str, Any], sections: Any, config: Any) -> None:
+    """A ConfigError for a config file whose section (``trainer:``, ``checkpoint:``...) is not a mapping.
+
+    jsonargparse takes ``trainer:`` written as a list as "no trainer options" and silently resets every setting an
+    earlier file made; a section is a mapping of options, or a class path where the option takes a class.
+    """
+    for path, content in files.items():
+        if content is not None and not isinstance(content, dict):
+            raise ConfigError(
+                f"config file '{path}' holds a {_yaml_kind(content)}, not options; write `key: value` lines such as "
+                "`trainer:` followed by its options"
+            )
+        for key, value in (content or {}).items():
+            if key not in sections or value is None or isinstance(value, dict):
+                continue
+            if isinstance(value, str) and config.get(f"{key}.class_path") is not None:
+                continue  # `model: my_project.MyModel` names the class
+            raise ConfigError(
+                f"config file '{path}': `{key}:` holds a {_yaml_kind(value)} but is a section of options; write its "
+                f"options indented below it (`{key}:` then `  name: value` lines), not as a list"
+            )
+
+
+def _yaml_kind(value: Any) -> str:
+    return "list" if isinstance(value, list) else f"single value ({value!r})"
 
 
 class _NoAdvertisement(logging.Filter):
@@ -389,16 +452,25 @@ def main(args: list[str] | None = None) -> None:
                 sys.exit(code)
             return
         build_cli(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except DiskError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(3)
-    except OSError as err:
-        # A write Lightning or a library makes (hparams.yaml, event files) fails on the disk: one line, like ours.
-        disk = disk_error_in(err)
-        if disk is None:
+    except Exception as err:
+        code, line = _verdict(err)
+        if code is None:
+            # The user's code, another library or the engine: the traceback is the report. Say first whose code it is.
+            blame.print_user_code_line(err)
             raise
-        print(f"error: {disk}", file=sys.stderr)
-        sys.exit(3)
+        # A mistake or the disk: a folder this command created is removed again, unless training had started.
+        discard_unstarted()
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(code)
+
+
+def _verdict(err: Exception) -> tuple[int | None, str]:
+    """The exit code and the one line for a mistake (2) or a failure of the disk (3); (None, "") for anything else."""
+    if (config := config_error_in(err)) is not None:
+        return 2, str(config)
+    if (disk := disk_error_in(err)) is not None:
+        return 3, str(disk)
+    if blame.user_function_calling(err) is None and blame.refused_by(err, package="lightning") is not None:
+        # Lightning alone refused a Trainer setting when it met the data (val_check_interval above an epoch's batches).
+        return 2, explain_trainer_error(one_line(blame.root_cause(err)))
+    return None, ""

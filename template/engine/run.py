@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,8 +13,10 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_only
 
 from template.engine import checkpoints
+from template.engine.atomic import prove_writable
 from template.engine.errors import ConfigError
 
 LOGS = "lightning_logs"
@@ -144,3 +148,67 @@ class RunConfigCallback(SaveConfigCallback):
 def _without_ckpt_path(text: str) -> str:
     # The checkpoint a restart resumes from is chosen by the run, not configured: it does not make the config differ.
     return "\n".join(line for line in text.splitlines() if not line.startswith("ckpt_path:"))
+
+
+class RunFolder:
+    """The folder a command writes into, claimed before anything is written.
+
+    One process per folder: a lock on the folder itself, which the kernel releases when the process ends however it
+    ends, so a killed run never leaves it stuck. A folder the command created is removed again when the command stops
+    on a mistake before its first training step (``discard_unstarted``): a mistake leaves the disk as it was.
+    """
+
+    claimed: RunFolder | None = None
+
+    def __init__(self, directory: Path, created: Path | None, handle: int) -> None:
+        self.directory = directory
+        self.created = created
+        self._handle = handle  # kept open: closing it would release the lock
+        self.trainer: Trainer | None = None
+
+
+def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFolder | None:
+    """Create ``directory`` if needed and lock it for this process; a ConfigError when another process has it.
+
+    Only the process of global rank zero claims (the others write nothing there); None in the others.
+    """
+    if not _global_zero():
+        return None
+    directory = Path(directory)
+    created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
+    prove_writable(directory, option)
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(handle)
+        which = f"run {name!r}" if name else f"the run in {directory}"
+        raise ConfigError(
+            f"{which} is already running in another process (its folder {directory} is locked); wait for it to end "
+            "or stop it, or start this one under another --run.name"
+        ) from None
+    RunFolder.claimed = RunFolder(directory, created, handle)
+    return RunFolder.claimed
+
+
+def discard_unstarted() -> Path | None:
+    """Remove the folder the claimed run created, when it stopped before its first training step; what was removed."""
+    folder = RunFolder.claimed
+    if folder is None or folder.created is None:
+        return None
+    trainer = folder.trainer
+    if trainer is not None and trainer.global_step > 0:
+        return None
+    if any(folder.created.rglob("*.ckpt")):
+        return None
+    shutil.rmtree(folder.created, ignore_errors=True)
+    return folder.created
+
+
+def _global_zero() -> bool:
+    # Before Lightning sets up its processes the Trainer does not know its rank yet; the launchers' variables do.
+    return (
+        rank_zero_only.rank == 0
+        and os.environ.get("NODE_RANK", "0") == "0"
+        and os.environ.get("GROUP_RANK", "0") == "0"
+    )

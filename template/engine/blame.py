@@ -1,0 +1,185 @@
+"""Whose an exception is: a value a library refused (the configuration's, one line), or the user's own code (theirs
+to debug, with its traceback and a line naming their function that raised).
+
+A frame is the user's when its file is outside the Python installation and its packages, and outside this engine:
+the model, data and networks at the top of the package, or any module a config names by ``class_path``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from template.engine.errors import ConfigError, one_line
+
+_ENGINE = str(Path(__file__).resolve().parent)
+_INSTALLED = tuple(
+    {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_path(key))}
+)
+# The exceptions a library raises when a value it was given is out of its range, of the wrong kind, or needs a
+# package that is not installed. Anything else (a RuntimeError from a kernel, a KeyError...) is not blamed on a value.
+REFUSALS = (ValueError, TypeError, ImportError, AssertionError, MisconfigurationException)
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's: not Python's, not an installed package's, not the engine's."""
+    if not filename or filename.startswith("<"):
+        return False
+    path = str(Path(filename).resolve())
+    if path.startswith(_ENGINE):
+        return False
+    return not any(path.startswith(root + os.sep) for root in _INSTALLED) and "site-packages" not in path
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The first exception of ``err``'s chain: what went wrong before libraries wrapped it in their own messages."""
+    seen = {id(err)}
+    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        err = inner
+    return err
+
+
+def _frames(tb: TracebackType | None) -> Iterator[tuple[Any, int]]:
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+
+
+def raised_in_user_code(err: BaseException) -> str | None:
+    """``Class.function (file:line)`` of the innermost frame of the user's code that ``err``'s root cause passed
+    through, when the exception was raised there (and not by a library the user's code called); else None."""
+    frames = list(_frames(root_cause(err).__traceback__))
+    if not frames or not is_user_file(frames[-1][0].f_code.co_filename):
+        return None
+    return _where(*frames[-1])
+
+
+def user_function_calling(err: BaseException) -> str | None:
+    """``Class.function (file:line)`` of the innermost frame of the user's code in ``err``'s root cause, or None."""
+    user = [f for f in _frames(root_cause(err).__traceback__) if is_user_file(f[0].f_code.co_filename)]
+    return _where(*user[-1]) if user else None
+
+
+def _where(frame: Any, line: int) -> str:
+    code = frame.f_code
+    name = getattr(code, "co_qualname", code.co_name)
+    try:
+        filename = os.path.relpath(code.co_filename)
+    except ValueError:  # another drive on Windows
+        filename = code.co_filename
+    return f"{name} ({filename}:{line})"
+
+
+def refused_by(err: BaseException, package: str | None = None) -> str | None:
+    """The library class (or function) that refused a value, for an exception a library (``package`` if given)
+    raised; None otherwise."""
+    cause = root_cause(err)
+    if not isinstance(cause, REFUSALS):
+        return None
+    frames = list(_frames(cause.__traceback__))
+    # A missing package is the environment's wherever the import is; other exceptions from the user's code are theirs.
+    if not frames or (is_user_file(frames[-1][0].f_code.co_filename) and not isinstance(cause, ImportError)):
+        return None
+    if package is not None and not frames[-1][0].f_globals.get("__name__", "").startswith(f"{package}."):
+        return None
+    # The outermost library frame below the user's or the engine's code names the class the value was given to.
+    for frame, _ in frames:
+        if is_user_file(frame.f_code.co_filename) or frame.f_code.co_filename.startswith(_ENGINE):
+            continue
+        owner = frame.f_locals.get("self")
+        if owner is not None and frame.f_code.co_name == "__init__":
+            return f"{type(owner).__module__}.{type(owner).__qualname__}"
+    frame = frames[-1][0]
+    return f"{frame.f_globals.get('__name__', '?')}.{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"
+
+
+def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError | None:
+    """A one-line ConfigError for a value a library refused while ``key`` (``model``, ``trainer``...) was built from
+    the options ``values`` (dotted name -> value); None when ``err`` is not a library's refusal."""
+    library = refused_by(err)
+    if library is None:
+        return None
+    cause = root_cause(err)
+    reason = one_line(str(cause)).rstrip(".") or type(cause).__name__
+    if isinstance(cause, ImportError):
+        name = library.rsplit(".", 1)[-1]
+        option = next((k.removesuffix(".class_path") for k, v in values.items() if name in str(v)), key)
+        return ConfigError(
+            f"{option} ({library}) needs a package that is not installed ({reason.split('. HINT')[0]}); "
+            f"{install_hint(cause)}"
+        )
+    named = _options_named_in(reason, values)
+    if named:
+        option = " and ".join(f"{name}={values[name]!r}" for name in named)
+        return ConfigError(f"{option} refused by {library}: {reason}; set a value it accepts")
+    caller = user_function_calling(err)
+    where = f", called from {caller}" if caller else ""
+    return ConfigError(
+        f"{key} could not be built: {library} refused its arguments ({reason}{where}); fix the values under {key}"
+    )
+
+
+def _options_named_in(reason: str, values: dict[str, Any]) -> list[str]:
+    """The options whose value the reason quotes; among several, those whose name it mentions too."""
+    words = set(re.findall(r"[\w.+-]+", reason))
+    quoted = [k for k, v in values.items() if v is not None and not isinstance(v, bool) and str(v) in words]
+    if len(quoted) <= 1:
+        return quoted
+    mentioned = [k for k in quoted if k.rsplit(".", 1)[-1].lower() in reason.lower()]
+    return mentioned if mentioned else []
+
+
+def install_hint(err: ImportError) -> str:
+    """How to install what ``err`` misses: this project's extra that provides it, else the package itself."""
+    text = str(err)
+    match = re.search(r"Requirement '([A-Za-z0-9_.-]+)", text) or re.search(r"No module named '([\w.]+)'", text)
+    missing = (match.group(1) if match else getattr(err, "name", None) or "").split(".")[0]
+    if not missing:
+        return "install the package it names"
+    own = _own_distribution()
+    if own is not None:
+        for requirement in importlib.metadata.requires(own) or []:
+            extra = re.search(r"""extra\s*==\s*["']([\w-]+)["']""", requirement)
+            name = re.split(r"[\s;<>=!~\[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+            if extra and (name == missing.lower() or name.startswith(f"{missing.lower()}-")):
+                return f"install the project's extra: pip install -e '.[{extra.group(1)}]'"
+    return f"install it: pip install {missing}"
+
+
+def _own_distribution() -> str | None:
+    package = __name__.split(".")[0]
+    names = importlib.metadata.packages_distributions().get(package, [])
+    return names[0] if names else None
+
+
+def leaves(config: Any, prefix: str) -> dict[str, Any]:
+    """Every option under a parsed config's ``prefix`` section as ``prefix.a.b`` -> value."""
+    section = config.get(prefix) if prefix else config
+    if not hasattr(section, "items"):
+        return {prefix: section}
+    return {f"{prefix}.{name}" if prefix else name: value for name, value in section.items()}
+
+
+def user_code_line(err: BaseException) -> str | None:
+    """The line printed before the traceback of an exception from the user's code; None for any other."""
+    where = raised_in_user_code(err)
+    if where is None:
+        return None
+    return f"error: {type(root_cause(err)).__name__} raised in your code, {where}; its traceback follows"
+
+
+def print_user_code_line(err: BaseException) -> None:
+    """Say, before Python prints the traceback, which of the user's functions raised ``err``."""
+    line = user_code_line(err)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)

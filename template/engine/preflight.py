@@ -1,0 +1,118 @@
+"""The mistakes a run would meet only later, found before it writes anything, in the order the run would meet them.
+
+The classes are built first (LightningCLI, values a library refuses become one line in ``engine/cli.py``); then, here:
+the Trainer's counts that Lightning leaves unchecked, the optimizers and schedulers built from the module's parameters
+as ``configure_optimizers`` will build them, and last the run's folder, created, proven writable and claimed
+(``engine/run.py``). What depends on the data (``val_check_interval`` against the batches of an epoch, a monitored
+metric the module never logs) is met at the sanity check; a run stopped there leaves no folder behind.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import instantiate_class
+from torch import nn
+
+from template.engine import blame
+from template.engine.errors import ConfigError
+
+# Trainer options Lightning takes without a check and fails on deep inside fit (ZeroDivisionError, a silent no-op).
+TRAINER_COUNTS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "accumulate_grad_batches": (lambda v: v >= 1, "a number of batches >= 1, e.g. 4"),
+    "log_every_n_steps": (lambda v: v is None or v >= 1, "a number of steps >= 1, e.g. 50"),
+    "check_val_every_n_epoch": (lambda v: v is None or v >= 1, "a number of epochs >= 1, or null"),
+    "val_check_interval": (
+        lambda v: v is None or (isinstance(v, int) and v >= 1) or (isinstance(v, float) and 0 < v <= 1),
+        "a number of batches >= 1, or a fraction of the epoch in (0, 1]",
+    ),
+    "num_sanity_val_steps": (lambda v: v is None or v >= -1, "a number of batches >= 0, or -1 for all"),
+    "min_epochs": (lambda v: v is None or v >= 0, "a number of epochs >= 0, or null"),
+    "min_steps": (lambda v: v is None or v >= 0, "a number of steps >= 0, or null"),
+    "gradient_clip_val": (lambda v: v is None or v >= 0, "a threshold >= 0, or null for no clipping"),
+}
+
+
+def check_trainer_counts(config: Any) -> None:
+    """A ConfigError for the first Trainer option in ``TRAINER_COUNTS`` outside its range."""
+    for name, (valid, expected) in TRAINER_COUNTS.items():
+        value = config.get(f"trainer.{name}")
+        if not valid(value):
+            raise ConfigError(f"trainer.{name}={value!r} is out of range; use {expected}")
+
+
+def build_optimizers(config: Any, model: LightningModule) -> None:
+    """Build every optimizer and learning-rate scheduler the config names (the module's own arguments and
+    LightningCLI's ``optimizer``/``lr_scheduler``) over the module's parameters, then drop them.
+
+    A value the optimizer refuses (a negative learning rate) or a module without parameters is one line here,
+    instead of a traceback from inside fit after the run's folder was written.
+    """
+    optimizers, schedulers = _optimizer_options(config)
+    if not optimizers and not schedulers:
+        return
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if not parameters:
+        networks = [f"{key}={path}" for key, path in _class_paths(config).items() if _is_network(path)]
+        named = f" ({', '.join(networks)})" if networks else ""
+        raise ConfigError(
+            f"{type(model).__name__} has no trainable parameters for {', '.join(optimizers or schedulers)} to "
+            f"optimize{named}; choose a network with parameters"
+        )
+    built = None
+    for option in optimizers:
+        built = _build(config, option, (parameters,))
+    for option in schedulers:
+        optimizer = built if built is not None else torch.optim.SGD(parameters, lr=0.1)
+        _build(config, option, (optimizer,))
+
+
+def _build(config: Any, option: str, args: tuple) -> Any:
+    init_args = config.get(f"{option}.init_args")
+    init = {"class_path": config.get(f"{option}.class_path"), "init_args": init_args.as_dict() if init_args else {}}
+    try:
+        return instantiate_class(args, init)
+    except Exception as err:
+        refused = blame.refusal(err, option, blame.leaves(config, f"{option}.init_args"))
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def _class_paths(config: Any) -> dict[str, str]:
+    """Every ``class_path`` in the config, by the option that holds it."""
+    return {
+        key.removesuffix(".class_path"): value
+        for key, value in config.items()
+        if key.endswith(".class_path") and isinstance(value, str)
+    }
+
+
+def _optimizer_options(config: Any) -> tuple[list[str], list[str]]:
+    optimizers, schedulers = [], []
+    for option, path in _class_paths(config).items():
+        cls = _resolve(path)
+        if not isinstance(cls, type):
+            continue
+        if issubclass(cls, torch.optim.Optimizer):
+            optimizers.append(option)
+        elif issubclass(cls, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            schedulers.append(option)
+    return optimizers, schedulers
+
+
+def _is_network(path: str) -> bool:
+    cls = _resolve(path)
+    return isinstance(cls, type) and issubclass(cls, nn.Module) and not issubclass(cls, LightningModule)
+
+
+def _resolve(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
