@@ -7,6 +7,7 @@ the model, data and networks at the top of the package, or any module a config n
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -73,10 +74,10 @@ def user_function_calling(err: BaseException) -> str | None:
 def _where(frame: Any, line: int) -> str:
     code = frame.f_code
     name = getattr(code, "co_qualname", code.co_name)
-    try:
-        filename = os.path.relpath(code.co_filename)
-    except ValueError:  # another drive on Windows
-        filename = code.co_filename
+    filename = code.co_filename
+    with contextlib.suppress(ValueError):  # another drive on Windows
+        relative = os.path.relpath(filename)
+        filename = filename if relative.startswith("..") else relative
     return f"{name} ({filename}:{line})"
 
 
@@ -171,11 +172,14 @@ def leaves(config: Any, prefix: str) -> dict[str, Any]:
 
 
 def user_code_line(err: BaseException) -> str | None:
-    """The line printed before the traceback of an exception from the user's code; None for any other."""
-    where = raised_in_user_code(err)
-    if where is None:
+    """The line printed before the traceback of an exception that passed through the user's code; None otherwise."""
+    caller = user_function_calling(err)
+    if caller is None:
         return None
-    return f"error: {type(root_cause(err)).__name__} raised in your code, {where}; its traceback follows"
+    name = type(root_cause(err)).__name__
+    if raised_in_user_code(err) is not None:
+        return f"error: {name} raised in your code, {caller}; its traceback follows"
+    return f"error: {name} raised by a library called from your code, {caller}; its traceback follows"
 
 
 def print_user_code_line(err: BaseException) -> None:

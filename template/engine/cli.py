@@ -43,7 +43,16 @@ from template.engine.final_test import evaluate_best
 from template.engine.gpus import add_gpu_arguments
 from template.engine.predictions import PredictionWriter
 from template.engine.resume import RNGStateCheckpoint
-from template.engine.run import Run, RunConfigCallback, RunOptions, claim, continue_run, discard_unstarted, run_name
+from template.engine.run import (
+    Run,
+    RunConfigCallback,
+    RunOptions,
+    claim,
+    continue_run,
+    discard_unstarted,
+    release,
+    run_name,
+)
 from template.engine.scaling import BatchScaling
 from template.engine.throughput import ThroughputLog
 from template.engine.watchdog import HangWatchdog
@@ -462,6 +471,8 @@ def main(args: list[str] | None = None) -> None:
         discard_unstarted()
         print(f"error: {line}", file=sys.stderr)
         sys.exit(code)
+    finally:
+        release()
 
 
 def _verdict(err: Exception) -> tuple[int | None, str]:

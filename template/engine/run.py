@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -160,10 +161,12 @@ class RunFolder:
 
     claimed: RunFolder | None = None
 
-    def __init__(self, directory: Path, created: Path | None, handle: int) -> None:
+    def __init__(self, directory: Path, created: Path | None, handle: int, parent_times: tuple | None) -> None:
         self.directory = directory
         self.created = created
-        self._handle = handle  # kept open: closing it would release the lock
+        # The times of the folder the new one was made in, given back when it is removed again.
+        self.parent_times = parent_times
+        self.handle = handle  # kept open: closing it would release the lock
         self.trainer: Trainer | None = None
 
 
@@ -172,10 +175,12 @@ def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFol
 
     Only the process of global rank zero claims (the others write nothing there); None in the others.
     """
+    release()  # a command run earlier in this process (a test, a notebook) has ended
     if not _global_zero():
         return None
-    directory = Path(directory)
+    directory = Path(directory).absolute()
     created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
+    times = _times(created.parent) if created is not None else None
     prove_writable(directory, option)
     handle = os.open(directory, os.O_RDONLY)
     try:
@@ -187,8 +192,16 @@ def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFol
             f"{which} is already running in another process (its folder {directory} is locked); wait for it to end "
             "or stop it, or start this one under another --run.name"
         ) from None
-    RunFolder.claimed = RunFolder(directory, created, handle)
+    RunFolder.claimed = RunFolder(directory, created, handle, times)
     return RunFolder.claimed
+
+
+def release() -> None:
+    """Unlock the claimed folder: the command has ended (the process ending does the same)."""
+    folder, RunFolder.claimed = RunFolder.claimed, None
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            os.close(folder.handle)
 
 
 def discard_unstarted() -> Path | None:
@@ -202,7 +215,18 @@ def discard_unstarted() -> Path | None:
     if any(folder.created.rglob("*.ckpt")):
         return None
     shutil.rmtree(folder.created, ignore_errors=True)
+    if folder.parent_times is not None:
+        with contextlib.suppress(OSError):
+            os.utime(folder.created.parent, ns=folder.parent_times)
     return folder.created
+
+
+def _times(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_atime_ns, stat.st_mtime_ns
 
 
 def _global_zero() -> bool:

@@ -104,3 +104,17 @@ class Waves(LightningDataModule):
 
     def val_dataloader(self):
         return DataLoader(self.val, batch_size=self.batch_size)
+
+
+class BrokenStep(Regressor):
+    """A user's bug in their own code: the step reads a key its batches do not have."""
+
+    def training_step(self, batch, batch_idx):
+        return {"x": batch[0]}["labels"]
+
+
+class WrongShapes(Regressor):
+    """A user's bug passed to a library: the batch's features are fed transposed to the network."""
+
+    def forward(self, x):
+        return self.body(x.T)
