@@ -3,14 +3,19 @@ no traceback, and nothing already on disk touched."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, PACKAGE
+from conftest import CONFIGS, PACKAGE, cli_env
 
+from template.data import DigitsDataModule
 from template.engine.cli import main
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
@@ -62,6 +67,22 @@ CASES = {
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
     "metric-queue-size": (["--log_cadence.metric_queue_mib=-1"], ["log_cadence.metric_queue_mib", "-1", "e.g. 16"]),
+    # Values a library refuses when the classes are built, or when the optimizer is built from the parameters.
+    "optimizer-lr": (
+        ["--model.optimizer.init_args.lr=-0.001"],
+        ["model.init_args.optimizer.init_args.lr=-0.001", "torch.optim", "Invalid learning rate", "set a value"],
+    ),
+    "net-dropout": (["--model.net.init_args.dropout=1.5"], ["dropout=1.5", "Dropout", "between 0 and 1"]),
+    "net-without-parameters": (["--model.net=torch.nn.Flatten"], ["no trainable parameters", "torch.nn.Flatten"]),
+    "checkpoint-mode": (["--checkpoint.mode=maximum"], ["checkpoint.mode='maximum'", "ModelCheckpoint", "min, max"]),
+    # Trainer counts Lightning leaves unchecked; one checked against the data (the epoch has 1 batch here).
+    "accumulate-zero": (["--trainer.accumulate_grad_batches=0"], ["accumulate_grad_batches=0", ">= 1"]),
+    "val-check-interval-above-epoch": (
+        ["--trainer.val_check_interval=100"],
+        ["val_check_interval", "(100)", "training batches (1)"],
+    ),
+    "misspelt-monitor": (["--checkpoint.monitor=val_accuracy"], ["val_accuracy", "val_acc", "--checkpoint.monitor="]),
+    "trainer-section-as-list": (["--config", "listed.yaml"], ["listed.yaml", "`trainer:`", "list"]),
     "logger-save-interval": (
         [
             f"--trainer.logger={PACKAGE}.engine.loggers.CSVLogger",
@@ -79,7 +100,9 @@ def _workspace(root: Path) -> None:
     checkpoints.mkdir(parents=True)
     torch.save({"state_dict": {"w": torch.zeros(3)}}, checkpoints / "last.ckpt")
     (root / "lightning_logs" / "version_0" / "config.yaml").write_text("trainer: {max_epochs: 1}\n")
+    DigitsDataModule(data_dir=str(root / "data")).prepare_data()
     (root / "typo.yaml").write_text("trainer:\n  max_epocs: 3\n")
+    (root / "listed.yaml").write_text("trainer:\n  - max_epochs: 300\n")
     (root / "broken.yaml").write_text("trainer:\n  max_epochs: [1\n  devices: 1\n")
     (root / "corrupt.ckpt").write_bytes(b"this is not a checkpoint")
     whole = (checkpoints / "last.ckpt").read_bytes()
@@ -185,3 +208,93 @@ def test_export_of_a_bad_checkpoint_is_one_line(tmp_path: Path, run_main, ckpt: 
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1 and ckpt in errors[0], done.stderr
     assert _snapshot(tmp_path) == before
+
+
+def test_a_running_named_run_is_not_started_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # The folder is locked as a running fit holds it: flock on the folder, released by the kernel with the process.
+    _workspace(tmp_path)
+    folder = tmp_path / "lightning_logs" / "busy"
+    folder.mkdir()
+    holder = os.open(folder, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        before = _snapshot(tmp_path)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [PACKAGE])
+        with pytest.raises(SystemExit) as exit_info:
+            main([*BASE, "--run.name=busy"])
+    finally:
+        os.close(holder)
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1, stderr[-3000:]
+    assert "run 'busy' is already running" in errors[0] and "--run.name" in errors[0], errors[0]
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_second_start_refuses_and_a_killed_run_leaves_no_lock(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    (tmp_path / "paced.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: step_marker.StepMarker\n"
+        "      init_args: {path: steps.txt, delay: 0.5}\n"
+    )
+    command = [*BASE[:3], "--config", "paced.yaml", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"]
+    command += ["--trainer.limit_train_batches=6", "--trainer.limit_val_batches=1", "--run.name=once"]
+    env = cli_env(PYTHONPATH=str(Path(__file__).parent))
+    first = subprocess.Popen(
+        [sys.executable, "-m", PACKAGE, *command], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "steps.txt").is_file():
+            assert time.monotonic() < deadline and first.poll() is None, "the first run never trained"
+            time.sleep(0.2)
+        second = run_cli(*command, env=env)
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1 and "already running" in errors[0], second.stderr[-3000:]
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        third = run_cli(*command, env=env)
+        assert third.returncode == 0, third.stderr[-3000:]
+        assert "Run once" in third.stdout + third.stderr
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=30)
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_evaluating_without_a_checkpoint_says_the_weights_are_untrained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, subcommand: str
+) -> None:
+    _workspace(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [PACKAGE])
+    main([subcommand, *BASE[1:3], "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1",
+          "--trainer.limit_predict_batches=1", "--trainer.enable_progress_bar=false"])  # fmt: skip
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "untrained weights" in warnings[0] and "--ckpt_path" in warnings[0], warnings
+
+
+@pytest.mark.slow
+def test_a_missing_extra_is_one_line_naming_the_extra(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    _workspace(tmp_path)
+    # mlflow made unimportable for this process, as on a machine where the extra was never installed.
+    (tmp_path / "hidden" / "mlflow").mkdir(parents=True)
+    (tmp_path / "hidden" / "mlflow" / "__init__.py").write_text("raise ImportError('No module named mlflow')\n")
+    before = _snapshot(tmp_path)
+    done = run_cli(*BASE, "--config", str(CONFIGS / "mlflow.yaml"), env=cli_env(PYTHONPATH=str(tmp_path / "hidden")))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "trackers" in errors[0] and "MLFlowLogger" in errors[0] and "pip install -e '.[mlflow]'" in errors[0]
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_every_strategy_the_unknown_strategy_line_offers_runs(run_cli) -> None:  # noqa: ANN001
+    # ddp_spawn pickles the model and its links: they are plain classes, not closures.
+    done = run_cli(*BASE, "--trainer.strategy=ddp_spawn", "--trainer.accelerator=cpu", "--trainer.devices=2")
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -142,3 +142,37 @@ def test_a_monitor_the_module_does_not_log_stops_before_training(run_cli, tmp_pa
     assert not (run_dir / "checkpoints").exists()
     rows = list(csv.DictReader((run_dir / "metrics.csv").open())) if (run_dir / "metrics.csv").exists() else []
     assert not [r for r in rows if r.get("train_mse")]
+
+
+@pytest.mark.parametrize(
+    ("module", "raised", "line"),
+    [
+        ("BrokenStep", KeyError, "error: KeyError raised in your code, BrokenStep.training_step ("),
+        (
+            "WrongShapes",
+            RuntimeError,
+            "error: RuntimeError raised by a library called from your code, WrongShapes.forward",
+        ),
+    ],
+)
+def test_an_exception_from_the_users_code_keeps_its_traceback_after_a_line_naming_their_function(
+    tmp_path, monkeypatch, capsys, module, raised, line
+):
+    from template.engine.cli import main
+
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["template"])
+    config = {
+        "trainer": {"max_epochs": 1, "accelerator": "cpu", "enable_progress_bar": False, "limit_train_batches": 2},
+        "model": {"class_path": f"my_code.{module}", "init_args": {"body": {"class_path": "torch.nn.Linear",
+                  "init_args": {"in_features": 2, "out_features": 1}}}},
+        "data": {"class_path": "my_code.Waves"},
+        "checkpoint": {"monitor": "val_mse"},
+    }  # fmt: skip
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    # Raised as it is: Python prints the whole traceback, the user's frames in it.
+    with pytest.raises(raised):
+        main(["fit", "--config", "user.yaml"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(line) and "my_code.py:" in errors[0], errors
