@@ -291,8 +291,7 @@ def test_sigterm_during_validation_stops_there_and_the_same_command_finishes(tmp
     proc = _start(command, tmp_path, _env(tmp_path))
     step = _wait_for_mark(tmp_path / "steps.txt", "val", proc)  # the first validation batch after epoch 0
     code, seconds = _signal_and_finish(proc, signal.SIGTERM)
-    checkpoint = _check_stopped(tmp_path, "val", signal.SIGTERM, code)
-    assert step == 8 and checkpoint["global_step"] == 8
+    assert step == 8 and _check_stopped(tmp_path, "val", signal.SIGTERM, code)["global_step"] == 8
     assert _continue(command, tmp_path, "val")["global_step"] == 16
     print(f"\nSIGTERM in validation: exit {code} {seconds:.2f} s after the signal; the same command ends at step 16")
 
@@ -301,9 +300,9 @@ def test_sigterm_after_the_last_step_exits_143_and_the_same_command_trains_no_mo
     marker = _marker(tmp_path, end_delay=3.0)
     command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=end"]
     proc = _start(command, tmp_path, _env(tmp_path))
-    assert _wait_for_mark(tmp_path / "steps.txt", "end", proc) == 16
+    step = _wait_for_mark(tmp_path / "steps.txt", "end", proc)
     code, seconds = _signal_and_finish(proc, signal.SIGTERM)
-    assert _check_stopped(tmp_path, "end", signal.SIGTERM, code)["global_step"] == 16
+    assert step == 16 and _check_stopped(tmp_path, "end", signal.SIGTERM, code)["global_step"] == 16
     trained = len(_steps(tmp_path / "steps.txt"))
     assert _continue(command, tmp_path, "end")["global_step"] == 16
     assert len(_steps(tmp_path / "steps.txt")) == trained, "the continued run trained again"
@@ -336,3 +335,13 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     assert code != 0 and seconds < 20, (code, seconds)
     assert not (tmp_path / "lightning_logs" / "twice" / "checkpoints" / "interrupted.ckpt").exists()
     print(f"\nCtrl-C twice: exit {code} {seconds:.2f} s after the first")
+
+
+def test_sigterm_during_validation_under_ddp_stops_every_rank_with_a_checkpoint(tmp_path: Path) -> None:
+    marker = _marker(tmp_path, val_delay=0.5)
+    command = [sys.executable, "-m", PACKAGE, *DDP, "--config", marker, "--run.name=ddp-val"]
+    proc = _start(command, tmp_path, _env(tmp_path, MASTER_PORT=str(_free_port())))
+    step = _wait_for_mark(tmp_path / "steps.txt", "val", proc)
+    code, seconds = _signal_and_finish(proc, signal.SIGTERM)  # rank 0 only: the ranks agree at the next batch end
+    assert step == 8 and _check_stopped(tmp_path, "ddp-val", signal.SIGTERM, code)["global_step"] == 8
+    print(f"\nSIGTERM in validation under DDP: exit {code} {seconds:.2f} s after the signal")
