@@ -10,14 +10,33 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 
 class StepMarker(Callback):
-    """Appends ``<global_step> <time>`` to ``path`` after every training step (rank 0), then sleeps ``delay`` s."""
+    """Appends ``<global_step> <time>`` to ``path`` after every training step (rank 0), then sleeps ``delay`` s.
 
-    def __init__(self, path: str, delay: float = 0.0) -> None:
+    ``val_delay`` > 0 also paces validation: ``sanity <step> <time>`` or ``val <step> <time>`` after each validation
+    batch, then a sleep; ``end_delay`` > 0 writes ``end <step> <time>`` in ``on_train_end`` and sleeps there.
+    """
+
+    def __init__(self, path: str, delay: float = 0.0, val_delay: float = 0.0, end_delay: float = 0.0) -> None:
         self.path = path
         self.delay = delay
+        self.val_delay = val_delay
+        self.end_delay = end_delay
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def _mark(self, trainer: Trainer, *prefix: str) -> None:
         if trainer.is_global_zero:
             with Path(self.path).open("a") as f:
-                f.write(f"{trainer.global_step} {time.time()}\n")
+                f.write(" ".join([*prefix, f"{trainer.global_step} {time.time()}"]) + "\n")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._mark(trainer)
         time.sleep(self.delay)
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.val_delay:
+            self._mark(trainer, "sanity" if trainer.sanity_checking else "val")
+            time.sleep(self.val_delay)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.end_delay:
+            self._mark(trainer, "end")
+            time.sleep(self.end_delay)

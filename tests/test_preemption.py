@@ -223,3 +223,125 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_continues_exactly(straigh
     )
     assert difference == 0.0
     _check_logged_once(run, 16)
+
+
+# Signals in every phase of fit, and Ctrl-C: each ends non-zero with interrupted.ckpt, and the same command goes on.
+
+
+def _marker(tmp_path: Path, **init_args: float) -> str:
+    args = ", ".join(f"{k}: {v}" for k, v in {"path": "steps.txt", **init_args}.items())
+    (tmp_path / "marker.yaml").write_text(MARKER.replace("{path: steps.txt, delay: 0.25}", "{" + args + "}"))
+    return "marker.yaml"
+
+
+def _wait_for_mark(path: Path, prefix: str, proc: subprocess.Popen) -> int:
+    """Waits for a ``<prefix> <step> <time>`` line of StepMarker (sanity, val, end); returns its step."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        lines = [line.split() for line in path.read_text().splitlines()] if path.is_file() else []
+        marks = [int(line[1]) for line in lines if len(line) == 3 and line[0] == prefix]
+        if marks:
+            return marks[0]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {prefix!r} mark (exit code {proc.poll()})")
+        time.sleep(0.05)
+
+
+def _signal_and_finish(proc: subprocess.Popen, signum: int) -> tuple[int, float]:
+    signalled = time.monotonic()
+    proc.send_signal(signum)
+    code = _finish(proc, 60)
+    return code, time.monotonic() - signalled
+
+
+def _check_stopped(tmp_path: Path, run: str, signum: int, code: int) -> dict:
+    """Exit code 128 + signal, the line saying so, no traceback; the checkpoint, loaded as Lightning does."""
+    output = (tmp_path / "run.log").read_text()
+    assert code == 128 + signum, output[-4000:]
+    name = signal.Signals(signum).name
+    assert f"Stopping on {name}: checkpoint " in output and "; run the same command to continue" in output
+    assert "Traceback" not in output, output[-4000:]
+    return _weights(tmp_path / "lightning_logs" / run / "checkpoints" / "interrupted.ckpt")
+
+
+def _continue(command: list[str], tmp_path: Path, run: str) -> dict:
+    """The same command again: it resumes from interrupted.ckpt and ends normally; its last checkpoint."""
+    (tmp_path / "run.log").write_text("")
+    proc = _start(command, tmp_path, _env(tmp_path))
+    output = lambda: (tmp_path / "run.log").read_text()  # noqa: E731
+    assert _finish(proc) == 0, output()[-4000:]
+    assert "interrupted.ckpt (epoch" in output(), output()[-4000:]
+    return _weights(tmp_path / "lightning_logs" / run / "checkpoints" / "last.ckpt")
+
+
+def test_sigterm_during_the_sanity_check_writes_a_checkpoint_and_exits_143(tmp_path: Path) -> None:
+    marker = _marker(tmp_path, val_delay=1.0)
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=sanity"]
+    proc = _start(command, tmp_path, _env(tmp_path))
+    _wait_for_mark(tmp_path / "steps.txt", "sanity", proc)
+    code, seconds = _signal_and_finish(proc, signal.SIGTERM)
+    checkpoint = _check_stopped(tmp_path, "sanity", signal.SIGTERM, code)
+    assert checkpoint["global_step"] == 0 and not _steps(tmp_path / "steps.txt")  # no step trained
+    print(f"\nSIGTERM in the sanity check: exit {code} {seconds:.2f} s after the signal")
+
+
+def test_sigterm_during_validation_stops_there_and_the_same_command_finishes(tmp_path: Path) -> None:
+    marker = _marker(tmp_path, val_delay=0.5)
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=val"]
+    proc = _start(command, tmp_path, _env(tmp_path))
+    step = _wait_for_mark(tmp_path / "steps.txt", "val", proc)  # the first validation batch after epoch 0
+    code, seconds = _signal_and_finish(proc, signal.SIGTERM)
+    assert step == 8 and _check_stopped(tmp_path, "val", signal.SIGTERM, code)["global_step"] == 8
+    assert _continue(command, tmp_path, "val")["global_step"] == 16
+    print(f"\nSIGTERM in validation: exit {code} {seconds:.2f} s after the signal; the same command ends at step 16")
+
+
+def test_sigterm_after_the_last_step_exits_143_and_the_same_command_trains_no_more(tmp_path: Path) -> None:
+    marker = _marker(tmp_path, end_delay=3.0)
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=end"]
+    proc = _start(command, tmp_path, _env(tmp_path))
+    step = _wait_for_mark(tmp_path / "steps.txt", "end", proc)
+    code, seconds = _signal_and_finish(proc, signal.SIGTERM)
+    assert step == 16 and _check_stopped(tmp_path, "end", signal.SIGTERM, code)["global_step"] == 16
+    trained = len(_steps(tmp_path / "steps.txt"))
+    assert _continue(command, tmp_path, "end")["global_step"] == 16
+    assert len(_steps(tmp_path / "steps.txt")) == trained, "the continued run trained again"
+    print(f"\nSIGTERM after the last step: exit {code} {seconds:.2f} s after the signal; the same command trains none")
+
+
+def test_ctrl_c_writes_a_checkpoint_exits_130_and_the_same_command_continues(tmp_path: Path) -> None:
+    marker = _marker(tmp_path, delay=0.25)
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=ctrl-c"]
+    proc = _start(command, tmp_path, _env(tmp_path))
+    _wait_for_step(tmp_path / "steps.txt", 3, proc)
+    code, seconds = _signal_and_finish(proc, signal.SIGINT)
+    stopped_at = _check_stopped(tmp_path, "ctrl-c", signal.SIGINT, code)["global_step"]
+    assert 3 <= stopped_at < 8
+    assert _continue(command, tmp_path, "ctrl-c")["global_step"] == 16
+    print(f"\nCtrl-C: exit {code} {seconds:.2f} s after the signal at step {stopped_at}; the same command ends at 16")
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
+    marker = _marker(tmp_path, delay=60)  # the first Ctrl-C's safe point, the next step's end, is a minute away
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=twice"]
+    proc = _start(command, tmp_path, _env(tmp_path))
+    _wait_for_step(tmp_path / "steps.txt", 1, proc)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    code = _finish(proc, 30)
+    seconds = time.monotonic() - signalled
+    assert code != 0 and seconds < 20, (code, seconds)
+    assert not (tmp_path / "lightning_logs" / "twice" / "checkpoints" / "interrupted.ckpt").exists()
+    print(f"\nCtrl-C twice: exit {code} {seconds:.2f} s after the first")
+
+
+def test_sigterm_during_validation_under_ddp_stops_every_rank_with_a_checkpoint(tmp_path: Path) -> None:
+    marker = _marker(tmp_path, val_delay=0.5)
+    command = [sys.executable, "-m", PACKAGE, *DDP, "--config", marker, "--run.name=ddp-val"]
+    proc = _start(command, tmp_path, _env(tmp_path, MASTER_PORT=str(_free_port())))
+    step = _wait_for_mark(tmp_path / "steps.txt", "val", proc)
+    code, seconds = _signal_and_finish(proc, signal.SIGTERM)  # rank 0 only: the ranks agree at the next batch end
+    assert step == 8 and _check_stopped(tmp_path, "ddp-val", signal.SIGTERM, code)["global_step"] == 8
+    print(f"\nSIGTERM in validation under DDP: exit {code} {seconds:.2f} s after the signal")

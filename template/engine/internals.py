@@ -125,6 +125,34 @@ def stop_as_on_sigterm(trainer: Trainer) -> None:
     connector.received_sigterm = True
 
 
+def resume_validation_from_its_start(checkpoint: dict[str, Any], sanity_check: bool) -> None:
+    """Make a checkpoint written at a validation batch's end resume by running that validation again from its start.
+
+    Lightning resumes validation only from a checkpoint written inside a validation step (its val loop's progress:
+    batch started, not processed; ``RestartStage.RESTARTED_MID_EVALUATION``). From one written at a batch's end it
+    skips the rest of that validation (no metrics, no monitored checkpoint for that epoch). Preemption writes
+    ``interrupted.ckpt`` at a validation batch's end, so it rewinds the counters to "first batch started". For the
+    sanity check it zeroes them: Lightning resets them after the sanity check, and a resumed run skips it.
+    The counters are in ``checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]``.
+    """
+    needed_for = "preemption (interrupted.ckpt in validation)"
+    fit_loop = _require_key(_require_key(checkpoint, "loops", needed_for), "fit_loop", needed_for)
+    progress = _require_key(fit_loop, "epoch_loop.val_loop.batch_progress", needed_for)
+    for counters in (progress["total"], progress["current"]):
+        if set(counters) != {"ready", "started", "processed", "completed"}:
+            raise _changed("lightning", "_BatchProgress counters", needed_for)
+        started = 0 if sanity_check else 1
+        counters.update(ready=started, started=started, processed=0, completed=0)
+    progress["is_last_batch"] = False
+
+
+def _require_key(mapping: dict[str, Any], key: str, needed_for: str) -> Any:
+    try:
+        return mapping[key]
+    except KeyError:
+        raise _changed("lightning", f"checkpoint[{key!r}]", needed_for) from None
+
+
 def layer_sync_enabled(strategy: Strategy) -> bool:
     """Whether ``sync_batchnorm`` was asked for: the accelerator connector hands the strategy a ``_layer_sync``.
 

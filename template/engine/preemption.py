@@ -1,4 +1,4 @@
-"""Stopping on a scheduler's signal: a checkpoint at the next step boundary, a SLURM requeue, a non-zero exit."""
+"""Stopping on a scheduler's signal or Ctrl-C: a checkpoint at the next safe point, a SLURM requeue, a non-zero exit."""
 
 from __future__ import annotations
 
@@ -18,40 +18,134 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from template.engine.internals import cluster_environment, stop_as_on_sigterm
+from template.engine.internals import cluster_environment, resume_validation_from_its_start, stop_as_on_sigterm
 
 INTERRUPTED = "interrupted.ckpt"
 _REQUEUE_TIMEOUT = 60  # seconds; scontrol answers in well under a second on a healthy controller
 
 
 class Preemption(Callback):
-    """On SIGTERM, or SLURM's requeue signal (SIGUSR1), write a checkpoint at the next step boundary and stop.
+    """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C (SIGINT), write a checkpoint at the next safe point and
+    stop with exit code 128 + the signal.
 
     Lightning's own SLURM handler saves inside the signal handler: in the middle of a step (not an exact resume)
-    and, under DDP, with collectives that the other ranks are not in (a hang). Here the handler only records the
-    signal; all ranks agree on it after the same step, write ``interrupted.ckpt`` together, rank zero asks SLURM to
-    requeue the job (``scontrol requeue``, when Lightning's ``SLURMEnvironment.auto_requeue`` is on), and Lightning
-    stops the loop as it does for SIGTERM.
+    and, under DDP, with collectives that the other ranks are not in (a hang). Lightning's SIGTERM handling ends the
+    run with exit code 0 during the sanity check, the last validation batch or after the last step, and Ctrl-C
+    loses the work since the last checkpoint. Here the handlers, installed when fit sets up, only record the signal;
+    all ranks agree on it at the same safe point (a training or validation batch end, the end of an epoch, the end
+    of training), write ``interrupted.ckpt`` together, rank zero asks SLURM to requeue the job (``scontrol
+    requeue``, when Lightning's ``SLURMEnvironment.auto_requeue`` is on), and the run stops. A second Ctrl-C stops
+    at once (``KeyboardInterrupt``, Lightning's own shutdown).
     """
 
     def __init__(self) -> None:
         self._received: int | None = None
         self._stopping: tuple[int, str, bool] | None = None
         self.signalled_at: float | None = None
+        self._active = False  # between setup and the end of fit: the handlers record; outside it they pass signals on
+        self._original: dict[int, Any] = {}
+        self._in_validation: bool | None = None  # while writing interrupted.ckpt in validation: the sanity check?
+
+    def _signals(self, trainer: Trainer) -> list[int]:
+        return [signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT]
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # From the start of fit, before Lightning installs its SIGTERM handler (just before the sanity check), so
+        # that a signal while the run sets up or restores is recorded too.
+        if stage != "fit" or self._active or threading.current_thread() is not threading.main_thread():
+            return
+        self._active = True
+        for signum in self._signals(trainer):
+            previous = signal.getsignal(signum)
+            if signum == signal.SIGINT and previous is signal.SIG_IGN:
+                continue  # started with Ctrl-C ignored (nohup, a background job): keep it so
+            self._original.setdefault(signum, previous)
+            signal.signal(signum, self._record)
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._take_over_sigterm(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # After Lightning's signal connector has installed its handlers (at the start of the run), so that these
-        # replace them; Lightning restores the original handlers when the run ends.
-        if threading.current_thread() is not threading.main_thread():
+        self._take_over_sigterm(trainer)
+
+    def _take_over_sigterm(self, trainer: Trainer) -> None:
+        """Replace the SIGTERM handler Lightning installs after ``on_fit_start`` (it calls ours too, and sets
+        ``received_sigterm``, which this reads for a SIGTERM that came in between). Lightning restores the handlers
+        it found, ours, when the run ends; outside fit ours pass the signal on."""
+        if not self._active or threading.current_thread() is not threading.main_thread():
             return
+        if trainer.received_sigterm and self._received is None and self._stopping is None:
+            self._record(signal.SIGTERM, None)
         signal.signal(signal.SIGTERM, self._record)
-        signal.signal(_requeue_signal(trainer), self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if not self._active:
+            _pass_on(signum, frame, self._original.get(signum, signal.SIG_DFL))
+            return
+        if signum == signal.SIGINT and self._received is not None:
+            # A second Ctrl-C: stop now, through Lightning's KeyboardInterrupt shutdown (which kills child ranks).
+            signal.signal(signal.SIGINT, self._original.get(signal.SIGINT, signal.default_int_handler))
+            raise KeyboardInterrupt
         if self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
 
+    # The safe points: every rank is in the same hook, between steps.
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling.
+        self._stop_if_signalled(trainer, raise_now=False)
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        # The sanity check and validation: the weights are those validation started from. Lightning would go on
+        # after the last batch (and a sanity check would end with exit code 0): stop here.
+        self._in_validation = trainer.sanity_checking
+        try:
+            self._stop_if_signalled(trainer, raise_now=True)
+        finally:
+            self._in_validation = None
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._in_validation is not None:
+            # The same command runs the interrupted validation again (Lightning would skip what was left of it).
+            resume_validation_from_its_start(checkpoint, sanity_check=self._in_validation)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning raises its SIGTERMException after the epoch's end, the last epoch's included.
+        self._stop_if_signalled(trainer, raise_now=False)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After the last step: the checkpoint holds the finished run, from which the same command trains no more.
+        self._stop_if_signalled(trainer, raise_now=True)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_after_training()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        try:
+            self._stop_after_training()
+        finally:
+            self._end()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._stopping is not None and isinstance(exception, SIGTERMException):
+            # Lightning's SIGTERMException exits 0; a run stopped before its end exits 128 + the signal, as if killed.
+            exception.code = 128 + self._stopping[0]
+        self._end()
+
+    def _end(self) -> None:
+        """The run is over: signals go where they went before it (Lightning reinstalls our handler at its teardown,
+        which then passes them on)."""
+        if not self._active:
+            return
+        self._active = False
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._original.items():
+                if handler is not None:
+                    signal.signal(signum, handler)
+
+    def _stop_if_signalled(self, trainer: Trainer, raise_now: bool) -> None:
         if self._stopping is not None:
             return
         signum = self._agreed_signal(trainer)
@@ -65,23 +159,42 @@ class Preemption(Callback):
         requeued = signum == _requeue_signal(trainer) and _auto_requeue(trainer) and _requeue(trainer)
         self._stopping = (signum, path, requeued)
         then = "the job is requeued and continues by itself" if requeued else "run the same command to continue"
-        after = f" {time.monotonic() - self.signalled_at:.2f} s after the signal" if self.signalled_at else ""
-        rank_zero_info(f"Stopping on {signal.Signals(signum).name}: checkpoint {path} written{after}; {then}")
-        # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling.
+        rank_zero_info(f"Stopping on {signal.Signals(signum).name}: checkpoint {path} written{self._after()}; {then}")
+        # Lightning ends the loop as on its own SIGTERM handling (other callbacks can read trainer.received_sigterm).
         stop_as_on_sigterm(trainer)
+        if raise_now:
+            raise SIGTERMException(128 + signum)
 
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._stopping is not None and isinstance(exception, SIGTERMException):
-            # Lightning's SIGTERMException exits 0; a run stopped before its end exits 128 + the signal, as if killed.
-            exception.code = 128 + self._stopping[0]
+    def _stop_after_training(self) -> None:
+        """A signal after the last safe point (the end of training): the checkpoints are written, nothing is left to
+        save, and no collective is safe (a rank may be past its last one); the run still ends non-zero."""
+        if self._stopping is not None or self._received is None or not self._active:
+            return
+        signum = self._received
+        self._stopping = (signum, "", False)
+        name = signal.Signals(signum).name
+        rank_zero_info(f"Stopping on {name} after training ended{self._after()}: its checkpoints are written")
+        raise SIGTERMException(128 + signum)
+
+    def _after(self) -> str:
+        return f" {time.monotonic() - self.signalled_at:.2f} s after the signal" if self.signalled_at else ""
 
     def _agreed_signal(self, trainer: Trainer) -> int | None:
-        """The signal any rank received, the same on every rank after the same step."""
+        """The signal any rank received, the same on every rank at the same safe point."""
         if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
             return self._received
         code = torch.tensor([self._received or 0], device=trainer.strategy.root_device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         return int(code.item()) or None
+
+
+def _pass_on(signum: int, frame: FrameType | None, handler: Any) -> None:
+    """Handle a signal as the handler in place before the run would."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler in (signal.SIG_DFL, None):
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _checkpoint_dir(trainer: Trainer) -> str:

@@ -37,7 +37,7 @@ class RunOptions:
         ``save_every_n_steps``: also write ``checkpoints/last-step.ckpt`` every N training steps, for restarts after a
         SIGKILL (torchrun elastic restarts, the OOM killer), which leave no time for a checkpoint on the way out.
 
-        ``preemption``: on SIGTERM or SIGUSR1 write ``checkpoints/interrupted.ckpt`` (and requeue a SLURM job).
+        ``preemption``: on SIGTERM, SIGUSR1 or Ctrl-C write ``checkpoints/interrupted.ckpt`` (and requeue a SLURM job).
         """
         self.name = name
         self.save_every_n_steps = save_every_n_steps
