@@ -125,12 +125,12 @@ class DigitsDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Materialise the packaged archive into ``data_dir`` once (Lightning calls this on one process per node)."""
         directory = Path(self.data_dir)
-        if directory.exists() and not directory.is_dir():
-            raise ConfigError(f"data.data_dir '{directory}' is a file; point data.data_dir to a directory")
-        damage = _damage(self.cache_path) if self.cache_path.is_file() else None
-        if self.cache_path.is_file() and damage is None:
-            return
         try:
+            if directory.exists() and not directory.is_dir():
+                raise ConfigError(f"data.data_dir '{directory}' is a file; point data.data_dir to a directory")
+            damage = _damage(self.cache_path) if self.cache_path.is_file() else None
+            if self.cache_path.is_file() and damage is None:
+                return
             directory.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(_read_archive(), self.cache_path)
         except OSError as err:

@@ -133,8 +133,11 @@ def disk_error(err: OSError, path: str | os.PathLike, kept: str, option: str = R
     """
     if err.errno not in _DISK_ERRNOS:
         return None
-    if err.errno == errno.EEXIST and _file_on_the_way(err.filename if isinstance(err.filename, str) else path) is None:
-        return None  # a folder that exists already: the caller's mistake, not the disk's
+    if err.errno == errno.EEXIST:
+        if _file_on_the_way(err.filename if isinstance(err.filename, str) else path) is None:
+            return None  # a folder that exists already: the caller's mistake, not the disk's
+        # mkdir(exist_ok=True) on a file says "File exists": the user's problem is a file where a folder should be.
+        err = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), err.filename)
     reason = err.strerror or os.strerror(err.errno)
     path = os.path.normpath(path)
     return DiskError(f"cannot write {path}: {reason} [Errno {err.errno}]; {_fix(err, path, option)} ({kept})")
@@ -151,7 +154,7 @@ def _fix(err: OSError, path: str, option: str) -> str:
     if code in (errno.ENOTDIR, errno.EEXIST):
         blocking = _file_on_the_way(err.filename if isinstance(err.filename, str) else path)
         where = f"'{blocking}' is a file, not a folder" if blocking else "a part of the path is a file, not a folder"
-        return f"{where}; move it away or set {option} to a folder"
+        return f"{where}; move it away or choose another {option}"
     if code == errno.ENAMETOOLONG:
         return f"a name in the path is longer than the filesystem allows; choose a shorter --run.name or {option}"
     if code == errno.EISDIR:
