@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from template.engine.atomic import atomic_torch_save
-from template.engine.errors import ConfigError
+from template.engine.errors import ConfigError, disk_error
 from template.engine.stateful_data import RandomSampler
 
 _ARCHIVE = "digits.csv.gz"
@@ -28,6 +28,39 @@ def _read_archive() -> dict[str, Tensor]:
     text = gzip.decompress(resources.files("template").joinpath("assets", _ARCHIVE).read_bytes()).decode()
     rows = torch.tensor([[int(v) for v in line.split(",")] for line in text.splitlines() if line])
     return {"images": rows[:, :-1].to(torch.uint8).reshape(-1, 1, 8, 8), "labels": rows[:, -1].long()}
+
+
+def _load_cache(path: Path) -> dict[str, Tensor] | None:
+    """The cached tensors, or None when the file is missing or not what ``_read_archive`` wrote."""
+    try:
+        return _check(torch.load(path, weights_only=True))
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - any unreadable file (truncated zip, junk, foreign pickle) is rebuilt
+        return None
+
+
+def _damage(path: Path) -> str | None:
+    """Why the cache at ``path`` cannot be used (truncated, not a torch file, other content), or None if it can."""
+    try:
+        data = torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - see _load_cache
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else 'unreadable'}"
+    return None if _check(data) is not None else "not the digits tensors"
+
+
+def _check(data: object) -> dict[str, Tensor] | None:
+    """``data`` if it holds images (N, 1, 8, 8) and as many labels, else None."""
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("images"), Tensor)
+        or not isinstance(data.get("labels"), Tensor)
+    ):
+        return None
+    images, labels = data["images"], data["labels"]
+    if images.dim() != 4 or tuple(images.shape[1:]) != (1, 8, 8) or labels.shape != (len(images),) or not len(images):
+        return None
+    return data
 
 
 class BatchedTensorDataset(TensorDataset):
@@ -92,27 +125,44 @@ class DigitsDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Materialise the packaged archive into ``data_dir`` once (Lightning calls this on one process per node)."""
         directory = Path(self.data_dir)
-        if directory.exists() and not directory.is_dir():
-            raise ConfigError(f"data.data_dir '{directory}' is a file; point data.data_dir to a directory")
-        if self.cache_path.is_file():
-            return
         try:
+            if directory.exists() and not directory.is_dir():
+                raise ConfigError(f"data.data_dir '{directory}' is a file; point data.data_dir to a directory")
+            damage = _damage(self.cache_path) if self.cache_path.is_file() else None
+            if self.cache_path.is_file() and damage is None:
+                return
             directory.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(_read_archive(), self.cache_path)
-            rank_zero_info(f"Prepared the digits data set in {self.cache_path}")
         except OSError as err:
-            # Permissions, a read-only filesystem, or a file where a parent directory should be.
-            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                # Permissions or a read-only filesystem: the folder is the user's choice to change.
+                raise ConfigError(
+                    f"data.data_dir '{directory}' is not writable ({err.strerror} [Errno {err.errno}]); choose "
+                    "another data.data_dir"
+                ) from None
+            if err.errno in (errno.ENOTDIR, errno.EEXIST) and not directory.is_dir():
+                raise ConfigError(
+                    f"data.data_dir '{directory}' is not a directory ({err.strerror} [Errno {err.errno}]); point "
+                    "data.data_dir to a directory"
+                ) from None
+            error = disk_error(err, self.cache_path, kept="nothing was written there", option="--data.data_dir")
+            if error is None:
                 raise
-            raise ConfigError(
-                f"data.data_dir '{directory}' is not writable ({err.strerror}); choose another data.data_dir"
-            ) from None
+            raise error from None
+        if damage is None:
+            rank_zero_info(f"Prepared the digits data set in {self.cache_path}")
+        else:
+            rank_zero_info(f"The digits cache {self.cache_path} was damaged ({damage}); rebuilt it from the archive")
 
     def setup(self, stage: str) -> None:
         """Load the cached tensors and split them the same way on every process and every run."""
         if self.splits:
             return
-        data = torch.load(self.cache_path, weights_only=True)
+        data = _load_cache(self.cache_path)
+        if data is None:
+            # Damaged after prepare_data (or never prepared, e.g. another node's disk): the archive is the source.
+            rank_zero_info(f"The digits cache {self.cache_path} is missing or damaged; using the packaged archive")
+            data = _read_archive()
         images = data["images"].float() / 16.0
         labels = data["labels"]
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -380,3 +381,13 @@ def test_resumable_sampler_is_a_torch_random_sampler_and_resumes_mid_epoch() -> 
     resumed = StatefulDataLoader(dataset, batch_size=4, sampler=RandomSampler(dataset))
     resumed.load_state_dict(state)
     assert [b.tolist() for b in resumed] == rest and len(rest) == 7
+
+
+def test_built_experiment_is_none_until_a_logger_creates_it(tmp_path) -> None:  # noqa: ANN001
+    from template.engine.loggers import CSVLogger, TensorBoardLogger
+
+    for logger in (CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb")):
+        assert internals.built_experiment(logger) is None
+        assert not Path(logger.save_dir).exists(), "asking created nothing"
+        built = logger.experiment
+        assert internals.built_experiment(logger) is built

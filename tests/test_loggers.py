@@ -71,3 +71,52 @@ def test_a_crashed_run_still_has_its_values_on_disk(tmp_path: Path) -> None:
     rows = _rows(next(tmp_path.glob("logs/version_*/metrics.csv")))
     # Every step logged before the failure; the failing step (index 11) raised before Lightning logged it.
     assert [int(r["step"]) for r in rows if r["train_loss"]] == list(range(11))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"\x00\xff\xfe binary junk \x89PNG", b"epoch,step,train_loss\n0,0,0.5\n0,1", b"\xff\xfe;;\n1;2\n",
+     b"epoch,step,train_loss\n0,zero,0.5\n"],
+    ids=["binary", "truncated-row", "bad-header", "non-numeric-step"],
+)  # fmt: skip
+def test_a_damaged_metrics_csv_is_kept_aside_when_a_run_resumes(tmp_path: Path, caplog, damage: bytes) -> None:  # noqa: ANN001
+    folder = tmp_path / "logs" / "run"
+    folder.mkdir(parents=True)
+    (folder / "metrics.csv").write_bytes(damage)
+    (folder / "metrics.damaged-1.csv").write_bytes(b"an earlier one")
+    logger = CSVLogger(tmp_path, name="logs", version="run", resume=True, save_interval=0)
+    with caplog.at_level("INFO"):
+        logger.experiment  # noqa: B018 - Lightning creates the writer when fit sets up, before the first values
+        logger.log_metrics({"train_loss": 0.25}, step=3)
+        logger.save()
+    assert (folder / "metrics.damaged-1.csv").read_bytes() == b"an earlier one", "never overwritten"
+    assert (folder / "metrics.damaged-2.csv").read_bytes() == damage
+    assert "metrics.damaged-2.csv" in caplog.text and "damaged" in caplog.text
+    assert [(r["step"], r["train_loss"]) for r in _rows(folder / "metrics.csv")] == [("3", "0.25")]
+
+
+def test_a_failed_save_leaves_metrics_csv_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import csv as csv_module
+    import errno
+
+    from template.engine.errors import DiskError
+
+    logger = CSVLogger(tmp_path, name="logs", save_interval=0)
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.save()
+    path = Path(logger.log_dir) / "metrics.csv"
+    before = path.read_bytes()
+    real = csv_module.DictWriter.writerows
+
+    def full(self, rows):  # noqa: ANN001, ANN202 - a disk that fills up halfway through the rows
+        self.writerow(rows[0])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(csv_module.DictWriter, "writerows", full)
+    for metrics in ({"a": 2.0}, {"a": 3.0, "new_column": 1.0}):  # an append, and a rewrite with a new header
+        logger.log_metrics(metrics, step=1)
+        logger.log_metrics(metrics, step=2)
+        with pytest.raises(DiskError, match=r"No space left on device \[Errno 28\]"):
+            logger.save()
+        assert path.read_bytes() == before
+    monkeypatch.setattr(csv_module.DictWriter, "writerows", real)

@@ -125,3 +125,23 @@ def test_runs_on_a_missing_folder_is_one_line(run_cli, tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: '{tmp_path / 'nowhere'}' is not a folder; pass the folder "
                                                   "that holds lightning_logs/"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"\x00\xff\xfe binary junk \x89PNG\r\n\x1a\n", b"epoch,step,val_acc\n0,3,0.5\n0,4,0.", b"\xff\xfe,,,\n1,2\n",
+     b"epoch,step,val_acc\n0,three,0.5\n0,4,0.75\n"],
+    ids=["binary", "truncated-row", "bad-header", "non-numeric-step"],
+)  # fmt: skip
+def test_runs_shows_a_run_whose_metrics_csv_is_damaged(tmp_path: Path, capsys, damage: bytes) -> None:  # noqa: ANN001
+    from template.engine.runs import main
+
+    run = tmp_path / "lightning_logs" / "damaged"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_bytes(damage)
+    (run / "config.yaml").write_text("checkpoint:\n  monitor: val_acc\n  mode: max\n")
+    main([str(tmp_path), "--csv", str(tmp_path / "runs.csv")])
+    (row,) = csv.DictReader((tmp_path / "runs.csv").open())
+    assert row["run"] == "damaged"
+    best = {b"0,three": "val_acc=0.75", b"0,4,0.": "val_acc=0.5"}  # what can be read of the damaged ones
+    assert row["best"] == next((v for k, v in best.items() if k in damage), "-")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+
+from template.engine.errors import disk_error
 
 # Temporary names carry host and PID so that a later write can tell a dead writer's leftover from a live one.
 _TMP_SUFFIX = ".tmp"
@@ -29,7 +32,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     directory = path.parent if str(path.parent) else Path(".")
     remove_stale_temporaries(path)
     mode = _target_mode(path)
-    fd, tmp = _open_temporary(path)
+    try:
+        fd, tmp = _open_temporary(path)
+    except OSError as err:
+        err.filename = str(path)  # not the temporary's name: the file the user knows
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             recorder = _WriteErrors(f)
@@ -48,11 +55,71 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
                 tmp = _temporary_name(path)
                 _link_unnamed(f.fileno(), tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and (err.filename is None or err.filename == tmp):
+            err.filename = str(path)  # a failed write() names no file, a temporary no file the user knows
         raise
     _fsync_directory(directory)
+
+
+def prove_writable(directory: str | os.PathLike, option: str) -> None:
+    """Create ``directory`` (and its parents) if missing, and prove that a file can be written in it.
+
+    The probe is an unnamed file (O_TMPFILE) where the OS has them, else a named one removed at once, even on
+    failure. Raises a one-line DiskError naming the path, the errno and ``option`` (what chose the folder).
+    """
+    directory = Path(directory)
+    probe: str | None = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = _open_temporary(directory / ".write-probe")
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        if err.errno == errno.EEXIST and not directory.is_dir():
+            err = OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory))
+        error = disk_error(err, directory, "nothing was written there", option)
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        if probe is not None:
+            Path(probe).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def undone_on_failure(path: str | os.PathLike, copy: bool = True) -> Iterator[None]:
+    """If the block raises, ``path`` is left as it was: deleted if the block created it, cut back to its length if
+    the block appended to it, or (``copy``: its bytes are kept in memory meanwhile) rewritten with its old bytes.
+
+    For files a library writes in place (Lightning's hparams.yaml, metrics.csv, config.yaml): a full disk leaves
+    no 0-byte or half-written file behind.
+    """
+    path = Path(path)
+    try:
+        size: int | None = path.stat().st_size
+        old = path.read_bytes() if copy else None
+    except FileNotFoundError:
+        size, old = None, None
+    except OSError:
+        yield  # cannot be read: nothing to restore it to
+        return
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if size is None:
+                path.unlink(missing_ok=True)
+            elif old is not None and path.read_bytes() != old:
+                atomic_write(path, lambda f: f.write(old))
+            elif path.stat().st_size > size:
+                os.truncate(path, size)
+        raise
 
 
 class _WriteErrors:
@@ -163,7 +230,3 @@ def _pid_alive(pid: int) -> bool:
         return True
     return True
 
-
-def prove_writable(directory: str | os.PathLike, option: str) -> None:
-    """Placeholder until the disk branch lands: create ``directory``."""
-    Path(directory).mkdir(parents=True, exist_ok=True)

@@ -111,29 +111,88 @@ class DiskError(Exception):
 
 
 # The failures a user fixes on the filesystem rather than in the code or the config.
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_DISK_ERRNOS = _FULL | {
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.ENAMETOOLONG,
+    errno.EISDIR,
+    errno.ENOENT,
+    errno.ELOOP,
+    errno.EEXIST,
+}
+ROOT_OPTION = "--trainer.default_root_dir"
 
 
-def disk_error(err: OSError, path: str | os.PathLike, kept: str) -> DiskError | None:
-    """A one-line DiskError for ``err`` while writing ``path`` (``kept``: what is still intact), or None."""
+def disk_error(err: OSError, path: str | os.PathLike, kept: str, option: str = ROOT_OPTION) -> DiskError | None:
+    """A one-line DiskError for ``err`` while writing ``path`` (``kept``: what is still intact), or None.
+
+    The line names the path, the errno and a fix that fits it; ``option`` is the one that chose the place.
+    """
     if err.errno not in _DISK_ERRNOS:
         return None
+    if err.errno == errno.EEXIST:
+        if _file_on_the_way(err.filename if isinstance(err.filename, str) else path) is None:
+            return None  # a folder that exists already: the caller's mistake, not the disk's
+        # mkdir(exist_ok=True) on a file says "File exists": the user's problem is a file where a folder should be.
+        err = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), err.filename)
     reason = err.strerror or os.strerror(err.errno)
-    return DiskError(
-        f"cannot write {os.path.normpath(path)}: {reason} [Errno {err.errno}]; free space there or set "
-        "--trainer.default_root_dir to "
-        f"another disk, then run the same command again ({kept})"
-    )
+    path = os.path.normpath(path)
+    return DiskError(f"cannot write {path}: {reason} [Errno {err.errno}]; {_fix(err, path, option)} ({kept})")
+
+
+def _fix(err: OSError, path: str, option: str) -> str:
+    code = err.errno
+    if code in _FULL:
+        return f"free space there or set {option} to another disk, then run the same command again"
+    if code == errno.EROFS:
+        return f"the disk is mounted read-only; set {option} to a folder on a writable disk"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"this user may not write there; set {option} to a folder you can write to, or fix its permissions"
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        blocking = _file_on_the_way(err.filename if isinstance(err.filename, str) else path)
+        where = f"'{blocking}' is a file, not a folder" if blocking else "a part of the path is a file, not a folder"
+        return f"{where}; move it away or choose another {option}"
+    if code == errno.ENAMETOOLONG:
+        return f"a name in the path is longer than the filesystem allows; choose a shorter --run.name or {option}"
+    if code == errno.EISDIR:
+        return f"a folder has the name of the file to write; move it away or choose another {option}"
+    if code == errno.ENOENT:
+        return f"a folder on the way to it does not exist (removed while running?); create it or set {option}"
+    return f"too many symbolic links on the way to it; fix the links or set {option} to a real folder"
+
+
+def _file_on_the_way(path: str) -> str | None:
+    """The first existing part of ``path`` that is not a folder (what ENOTDIR is about), or None."""
+    current = os.path.abspath(path)
+    parts = []
+    while True:
+        parts.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for part in reversed(parts):
+        if os.path.lexists(part) and not os.path.isdir(part):
+            return part
+    return None
 
 
 def disk_error_in(err: BaseException) -> DiskError | None:
-    """The DiskError that ``err`` is or was caused by, or one for an OSError of the disk in its chain; else None."""
+    """The DiskError that ``err`` is or was caused by, or one for an OSError of the disk in its chain; else None.
+
+    A missing file counts only where the folder that should hold it is missing too (a folder vanished): a
+    missing input file is the caller's to report.
+    """
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, DiskError):
             return err
-        if isinstance(err, OSError) and err.filename is not None:
-            found = disk_error(err, err.filename, kept="nothing else was changed")
+        if isinstance(err, OSError) and isinstance(err.filename, (str, os.PathLike)):
+            vanished = err.errno != errno.ENOENT or not os.path.isdir(os.path.dirname(os.path.abspath(err.filename)))
+            found = disk_error(err, err.filename, kept="nothing else was changed") if vanished else None
             if found is not None:
                 return found
         seen.add(id(err))

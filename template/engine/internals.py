@@ -310,3 +310,16 @@ def last_lr_attribute(scheduler: Any) -> str | None:
         return None
     _require(scheduler, "_last_lr", "torch", "learning-rate scaling (scaling.lr_scaling)")
     return "_last_lr"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Lightning: loggers (files left as they were when a save fails)
+
+
+def built_experiment(logger: Any) -> Any:
+    """The logger's experiment (CSV writer, SummaryWriter) if it has been created, else None; never creates one.
+
+    Reading ``logger.experiment`` would create the writer (and its folder): the loggers ask first whether a save or
+    ``finalize`` has anything on disk to protect. Lightning keeps it in ``logger._experiment``.
+    """
+    return _require(logger, "_experiment", "lightning", "leaving metrics.csv intact when a save fails")

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
-from template.engine.atomic import atomic_write
-from template.engine.errors import ConfigError, disk_error
+from template.engine import internals
+from template.engine.atomic import atomic_write, undone_on_failure
+from template.engine.errors import ConfigError, DiskError, disk_error
+
+HPARAMS = "hparams.yaml"
+METRICS = "metrics.csv"
 
 
 class _TimedSave:
@@ -46,17 +53,40 @@ class _TimedSave:
 
     def finalize(self, status: str) -> None:
         self._last_save = float("-inf")  # the end of a run always reaches the disk
-        self._write(lambda: super(_TimedSave, self).finalize(status))  # type: ignore[misc]
-
-    def _write(self, save: Any) -> None:
         try:
+            self._write(lambda: super(_TimedSave, self).finalize(status))  # type: ignore[misc]
+        except DiskError:
+            if status == "success":
+                raise
+            # The run has failed already (often on the same disk): its own error is the one line to report.
+
+    def _files(self) -> list[tuple[Path, bool]]:
+        """The files a save rewrites in place, and whether each must be copied to be restored (not only cut)."""
+        return [(Path(self.log_dir) / HPARAMS, True)]  # type: ignore[attr-defined]
+
+    def _write(self, save: Callable[[], Any]) -> None:
+        """``save()``, leaving each of ``_files()`` as it was if it fails, and a failure of the disk as one line."""
+        with self._disk_errors("the logs up to the last save are kept"), contextlib.ExitStack() as undo:
+            for path, copy in self._files():
+                undo.enter_context(undone_on_failure(path, copy=copy))
             save()
+
+    @contextlib.contextmanager
+    def _disk_errors(self, kept: str) -> Iterator[None]:
+        try:
+            yield
         except OSError as err:
-            where = getattr(self, "log_dir", None) or "the logs"
-            error = disk_error(err, where, kept="the logs up to the last save are kept")
+            where = err.filename if isinstance(err.filename, (str, os.PathLike)) else None
+            error = disk_error(err, where or getattr(self, "log_dir", None) or "the logs", kept=kept)
             if error is None:
                 raise
             raise error from None
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        # Lightning writes hparams.yaml in place when a run starts: a full disk must leave no 0-byte file.
+        if rank_zero_only.rank != 0:
+            return
+        self._write(lambda: super(_TimedSave, self).log_hyperparams(*args, **kwargs))  # type: ignore[misc]
 
 
 class CSVLogger(_TimedSave, _CSVLogger):
@@ -74,21 +104,30 @@ class CSVLogger(_TimedSave, _CSVLogger):
     @property
     def experiment(self) -> Any:
         if self._rows_kept or not self._resume or rank_zero_only.rank != 0:
-            return super().experiment
+            with self._disk_errors("nothing was written"):
+                return super().experiment
         self._rows_kept = True  # the first call creates Lightning's writer; later calls only return it
-        path = Path(self.log_dir) / "metrics.csv"
+        path = Path(self.log_dir) / METRICS
         rows = _read_rows(path)  # Lightning's writer deletes an existing metrics.csv when it starts
-        writer = super().experiment
+        with self._disk_errors("nothing was written"):
+            writer = super().experiment
         if rows:
             writer.metrics = rows
-            writer.save()  # back on disk at once: a run killed before its first save loses nothing
+            self._write(writer.save)  # back on disk at once: a run killed before its first save loses nothing
         return writer
+
+    def _files(self) -> list[tuple[Path, bool]]:
+        writer = internals.built_experiment(self)
+        # Lightning appends to metrics.csv (cut back on failure), or rewrites it when new columns appear (copied).
+        pending = writer is not None and writer.metrics and set().union(*writer.metrics) - set(writer.metrics_keys)
+        return [*super()._files(), (Path(self.log_dir) / METRICS, bool(pending))]
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._resume and step is not None and rank_zero_only.rank == 0:
             self._resume = False
-            self.experiment.save()
-            _drop_rows_from(Path(self.log_dir) / "metrics.csv", step)
+            self._write(self.experiment.save)
+            with self._disk_errors("the logs up to the last save are kept"):
+                _drop_rows_from(Path(self.log_dir) / METRICS, step)
         super().log_metrics(metrics, step)
 
 
@@ -105,6 +144,23 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
         super().__init__(*args, **kwargs)
         self._resume = resume
 
+    @property
+    def experiment(self) -> Any:
+        if internals.built_experiment(self) is not None or rank_zero_only.rank != 0:
+            return super().experiment
+        # SummaryWriter creates the folder and its event file when it is built: a failure there is one line too,
+        # and an event file it created and could not write is removed.
+        folder = Path(self.log_dir)
+        before = set(folder.glob("events.out.tfevents.*")) if folder.is_dir() else set()
+        try:
+            with self._disk_errors("nothing was written"):
+                return super().experiment
+        except DiskError:
+            for created in set(folder.glob("events.out.tfevents.*")) - before:
+                with contextlib.suppress(OSError):
+                    created.unlink()
+            raise
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._resume and step is not None and rank_zero_only.rank == 0:
             self._resume = False
@@ -116,21 +172,71 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
+class DamagedMetrics(ValueError):
+    """A metrics.csv that does not parse as the rows a CSVLogger writes."""
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv as written, or DamagedMetrics: not text, no ``step`` column, a row with more or
+    fewer cells than the header (cut by a crash), or a step that is not a number."""
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames or []
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise DamagedMetrics(f"not a CSV file ({err})") from None
+    if rows and "step" not in header:
+        raise DamagedMetrics(f"no 'step' column in its header {header[:5]}")
+    for number, row in enumerate(rows, start=2):
+        if None in row or None in row.values():
+            raise DamagedMetrics(f"line {number} has {'more' if None in row else 'fewer'} cells than the header")
+        try:
+            float(row["step"])
+        except ValueError:
+            raise DamagedMetrics(f"line {number} has step {row['step']!r}, not a number") from None
+    return rows
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged ``<name>.csv`` to the first free ``<name>.damaged-<n>.csv`` beside it; returns the new name."""
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.damaged-{n}{path.suffix}")).exists():
+        n += 1
+    os.rename(path, aside)  # never onto an existing file: n is free (a race with another writer is not expected)
+    return aside
+
+
 def _read_rows(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics.csv, each without its empty cells; [] when there is none."""
+    """The rows of a metrics.csv, each without its empty cells; [] when there is none or it is damaged (then it is
+    renamed aside, and the run's logs start afresh)."""
     if not path.is_file():
         return []
-    with path.open(newline="") as f:
-        return [{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)]
+    try:
+        rows = read_metrics(path)
+    except DamagedMetrics as err:
+        try:
+            aside = set_aside(path)
+        except OSError as rename:
+            error = disk_error(rename, path, kept="nothing was changed")
+            if error is None:
+                raise
+            raise error from None
+        rank_zero_info(f"{path} is damaged ({err}): kept aside as {aside.name}; this run's logs start afresh")
+        return []
+    return [{k: v for k, v in row.items() if v not in ("", None)} for row in rows]
 
 
 def _drop_rows_from(path: Path, step: int) -> None:
     """Rewrite ``path`` (atomically) without its rows of ``step`` and later."""
     if not path.is_file():
         return
+    try:
+        rows = read_metrics(path)
+    except DamagedMetrics:
+        return  # read when the run resumed; a file changed since is not this run's to rewrite
     with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        header, rows = reader.fieldnames or [], list(reader)
+        header = csv.DictReader(f).fieldnames or []
     kept = [row for row in rows if float(row["step"]) < step]
     if len(kept) == len(rows):
         return

@@ -176,7 +176,12 @@ class Provenance(Callback):
         self._entry.update(end=_now(), seconds=round(time.monotonic() - (self._started or 0.0), 3))
         self._entry.update(exit_status(exception), epochs=trainer.current_epoch, steps=trainer.global_step)
         entries = self._read()
-        self._write(entries[:-1] + [self._entry] if entries else [self._entry])
+        try:
+            self._write(entries[:-1] + [self._entry] if entries else [self._entry])
+        except OSError:
+            if exception is None:
+                raise
+            # The run failed already (often on this disk): its own error is what the user sees, not this one.
 
     def _read(self) -> list[dict[str, Any]]:
         if self._path is None or not self._path.is_file():

@@ -132,11 +132,16 @@ def _restart_number(name: str) -> int:
 
 
 def _read_metrics(path: Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv, as many as can be read: a damaged file (binary junk, a row cut by a crash, a
+    header that does not parse) gives what precedes the damage, and cells that are not numbers are skipped later."""
+    rows: list[dict[str, str]] = []
     try:
-        with path.open(newline="") as f:
-            return list(csv.DictReader(f))
-    except OSError:
-        return []
+        with path.open(newline="", errors="replace") as f:
+            for row in csv.DictReader(f):
+                rows.append({k: v for k, v in row.items() if isinstance(k, str) and isinstance(v, str)})
+    except (OSError, csv.Error):
+        pass
+    return rows
 
 
 def _column(rows: list[dict[str, str]], name: str) -> list[float]:
