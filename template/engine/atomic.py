@@ -229,4 +229,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
