@@ -141,6 +141,22 @@ MECHANISMS: tuple[Mechanism, ...] = (
         lambda c, s: True,
     ),
     Mechanism(
+        "preflight",
+        "before anything is written: trainer counts checked, optimizers and schedulers built from the module's "
+        "parameters, values a library refuses and missing extras reported in one line (engine/preflight.py)",
+        "none (a check only stops a wrong run)",
+        lambda c, s: True,
+        announced=False,
+    ),
+    Mechanism(
+        "run folder",
+        "created, proven writable and locked for this process before anything is written; removed again when the "
+        "command stops on a mistake or the disk before its first training step (engine/run.py claim)",
+        "none",
+        lambda c, s: True,
+        announced=False,
+    ),
+    Mechanism(
         "config.yaml",
         "the full config saved in the run's folder; a restart keeps the first and saves a changed one beside it",
         "none",
