@@ -27,6 +27,7 @@ from typing_extensions import override
 
 import template
 from template.engine import blame, checkpoints, internals, preflight, wiring
+from template.engine.atomic import prove_writable
 from template.engine.cadence import LogCadence
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
@@ -310,7 +311,9 @@ def settle(config: Any, subcommand: str | None) -> None:
 
 def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
     """Create the run's folder, prove it writable and lock it for this process, before anything is written there."""
-    if trainer.log_dir is None:
+    if not trainer.loggers or trainer.log_dir is None:
+        # Without a logger there is no run folder of its own, only the root that checkpoints go to.
+        prove_writable(config.get("trainer.default_root_dir") or ".", "--trainer.default_root_dir")
         return
     name = run_name(config.get("run.name")) if subcommand == "fit" else None
     folder = claim(trainer.log_dir, name, option="--trainer.default_root_dir")
