@@ -30,37 +30,18 @@ def _read_archive() -> dict[str, Tensor]:
     return {"images": rows[:, :-1].to(torch.uint8).reshape(-1, 1, 8, 8), "labels": rows[:, -1].long()}
 
 
-def _load_cache(path: Path) -> dict[str, Tensor] | None:
-    """The cached tensors, or None when the file is missing or not what ``_read_archive`` wrote."""
-    try:
-        return _check(torch.load(path, weights_only=True))
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - any unreadable file (truncated zip, junk, foreign pickle) is rebuilt
-        return None
-
-
-def _damage(path: Path) -> str | None:
-    """Why the cache at ``path`` cannot be used (truncated, not a torch file, other content), or None if it can."""
+def _read_cache(path: Path) -> dict[str, Tensor] | str:
+    """The cached tensors, or why they cannot be used (missing, truncated, junk, other content)."""
     try:
         data = torch.load(path, weights_only=True)
-    except Exception as err:  # noqa: BLE001 - see _load_cache
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else 'unreadable'}"
-    return None if _check(data) is not None else "not the digits tensors"
-
-
-def _check(data: object) -> dict[str, Tensor] | None:
-    """``data`` if it holds images (N, 1, 8, 8) and as many labels, else None."""
-    if (
-        not isinstance(data, dict)
-        or not isinstance(data.get("images"), Tensor)
-        or not isinstance(data.get("labels"), Tensor)
-    ):
-        return None
-    images, labels = data["images"], data["labels"]
-    if images.dim() != 4 or tuple(images.shape[1:]) != (1, 8, 8) or labels.shape != (len(images),) or not len(images):
-        return None
-    return data
+    except FileNotFoundError:
+        return "missing"
+    except Exception as err:  # noqa: BLE001 - a truncated zip, junk or a foreign pickle fail in many ways
+        return f"{type(err).__name__}: {(str(err).splitlines() or ['unreadable'])[0][:120]}"
+    images, labels = (data.get("images"), data.get("labels")) if isinstance(data, dict) else (None, None)
+    if not isinstance(images, Tensor) or not isinstance(labels, Tensor) or images.shape[1:] != (1, 8, 8):
+        return "not the digits tensors"
+    return data if len(images) == len(labels) > 0 else "not the digits tensors"
 
 
 class BatchedTensorDataset(TensorDataset):
@@ -128,8 +109,8 @@ class DigitsDataModule(LightningDataModule):
         try:
             if directory.exists() and not directory.is_dir():
                 raise ConfigError(f"data.data_dir '{directory}' is a file; point data.data_dir to a directory")
-            damage = _damage(self.cache_path) if self.cache_path.is_file() else None
-            if self.cache_path.is_file() and damage is None:
+            cached = _read_cache(self.cache_path)
+            if not isinstance(cached, str):
                 return
             directory.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(_read_archive(), self.cache_path)
@@ -149,17 +130,17 @@ class DigitsDataModule(LightningDataModule):
             if error is None:
                 raise
             raise error from None
-        if damage is None:
+        if cached == "missing":
             rank_zero_info(f"Prepared the digits data set in {self.cache_path}")
         else:
-            rank_zero_info(f"The digits cache {self.cache_path} was damaged ({damage}); rebuilt it from the archive")
+            rank_zero_info(f"The digits cache {self.cache_path} was damaged ({cached}); rebuilt it from the archive")
 
     def setup(self, stage: str) -> None:
         """Load the cached tensors and split them the same way on every process and every run."""
         if self.splits:
             return
-        data = _load_cache(self.cache_path)
-        if data is None:
+        data = _read_cache(self.cache_path)
+        if isinstance(data, str):
             # Damaged after prepare_data (or never prepared, e.g. another node's disk): the archive is the source.
             rank_zero_info(f"The digits cache {self.cache_path} is missing or damaged; using the packaged archive")
             data = _read_archive()
