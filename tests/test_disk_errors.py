@@ -127,7 +127,8 @@ def test_prove_writable_with_a_name_too_long(tmp_path: Path) -> None:
 )  # fmt: skip
 def test_prove_writable_on_a_read_only_or_full_disk(tmp_path: Path, setup: str, code: int) -> None:
     probe = (
-        "import sys; from template.engine.atomic import prove_writable; from template.engine.errors import DiskError\n"
+        f"import sys; from {PACKAGE}.engine.atomic import prove_writable\n"
+        f"from {PACKAGE}.engine.errors import DiskError\n"
         "try:\n    prove_writable(sys.argv[1], '--trainer.default_root_dir')\n"
         "except DiskError as err:\n    print(f'error: {err}', file=sys.stderr); sys.exit(3)\n"
     )
