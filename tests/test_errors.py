@@ -81,6 +81,14 @@ CASES = {
         ["--trainer.val_check_interval=100"],
         ["val_check_interval", "(100)", "training batches (1)"],
     ),
+    "scheduler-step-size": (
+        ["--model.scheduler=torch.optim.lr_scheduler.StepLR", "--model.scheduler.init_args.step_size=0"],
+        ["model.init_args.scheduler", "StepLR", "step_size=0"],
+    ),
+    "early-stopping-monitor": (
+        ["--trainer.callbacks=lightning.pytorch.callbacks.EarlyStopping", "--trainer.callbacks.monitor=val_accuracy"],
+        ["EarlyStopping", "val_accuracy", "val_acc"],
+    ),
     "misspelt-monitor": (["--checkpoint.monitor=val_accuracy"], ["val_accuracy", "val_acc", "--checkpoint.monitor="]),
     "trainer-section-as-list": (["--config", "listed.yaml"], ["listed.yaml", "`trainer:`", "list"]),
     "logger-save-interval": (

@@ -92,8 +92,10 @@ def test_monitor_check_waits_for_training_metrics_and_names_what_is_logged() -> 
     from template.engine.errors import ConfigError
 
     after_sanity = SimpleNamespace(callback_metrics={"val_mse": 1.0}, sanity_checking=True)
-    wiring.MonitorCheck("train_mse").on_sanity_check_end(after_sanity, None)  # not logged before training: wait
+    wiring.MonitorCheck({"checkpoint.monitor": "train_mse"}).on_sanity_check_end(
+        after_sanity, None
+    )  # not logged before training: wait
     with pytest.raises(ConfigError, match=r"it logs: val_mse\); .*--checkpoint.monitor=val_mse --checkpoint.mode=min"):
-        wiring.MonitorCheck("val_acc").on_sanity_check_end(after_sanity, None)
+        wiring.MonitorCheck({"checkpoint.monitor": "val_acc"}).on_sanity_check_end(after_sanity, None)
     after_epoch = SimpleNamespace(callback_metrics={"train_mse": 1.0, "val_mse": 1.0}, sanity_checking=False)
-    wiring.MonitorCheck("train_mse").on_validation_end(after_epoch, None)
+    wiring.MonitorCheck({"checkpoint.monitor": "train_mse"}).on_validation_end(after_epoch, None)

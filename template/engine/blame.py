@@ -28,7 +28,7 @@ _INSTALLED = tuple(
 )
 # The exceptions a library raises when a value it was given is out of its range, of the wrong kind, or needs a
 # package that is not installed. Anything else (a RuntimeError from a kernel, a KeyError...) is not blamed on a value.
-REFUSALS = (ValueError, TypeError, ImportError, AssertionError, MisconfigurationException)
+REFUSALS = (ValueError, TypeError, ImportError, AssertionError, ArithmeticError, MisconfigurationException)
 
 
 def is_user_file(filename: str) -> bool:
@@ -125,8 +125,11 @@ def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError
         return ConfigError(f"{option} refused by {library}: {reason}; set a value it accepts")
     caller = user_function_calling(err)
     where = f", called from {caller}" if caller else ""
+    given = ", ".join(f"{k.rsplit('.', 1)[-1]}={v!r}" for k, v in values.items() if v is not None)[:300]
+    given = f" (given: {given})" if given and len(values) <= 12 else ""
     return ConfigError(
-        f"{key} could not be built: {library} refused its arguments ({reason}{where}); fix the values under {key}"
+        f"{key} could not be built: {library} refused its arguments ({reason}{where}); fix the values under "
+        f"{key}{given}"
     )
 
 

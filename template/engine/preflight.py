@@ -10,6 +10,7 @@ metric the module never logs) is met at the sanity check; a run stopped there le
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -68,14 +69,24 @@ def build_optimizers(config: Any, model: LightningModule) -> None:
         built = _build(config, option, (parameters,))
     for option in schedulers:
         optimizer = built if built is not None else torch.optim.SGD(parameters, lr=0.1)
-        _build(config, option, (optimizer,))
+        scheduler = _build(config, option, (optimizer,))
+        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            # Some values fail only when the schedule is computed (StepLR's step_size=0): compute one step of it,
+            # on this throwaway optimizer (the module's own are built by configure_optimizers).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose here
+                _run(config, option, scheduler.step)
 
 
 def _build(config: Any, option: str, args: tuple) -> Any:
     init_args = config.get(f"{option}.init_args")
     init = {"class_path": config.get(f"{option}.class_path"), "init_args": init_args.as_dict() if init_args else {}}
+    return _run(config, option, lambda: instantiate_class(args, init))
+
+
+def _run(config: Any, option: str, call: Callable[[], Any]) -> Any:
     try:
-        return instantiate_class(args, init)
+        return call()
     except Exception as err:
         refused = blame.refusal(err, option, blame.leaves(config, f"{option}.init_args"))
         if refused is None:

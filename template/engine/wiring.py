@@ -195,9 +195,9 @@ MECHANISMS: tuple[Mechanism, ...] = (
     ),
     Mechanism(
         "monitor check",
-        "a checkpoint.monitor the module does not log stops fit after the sanity check",
+        "a checkpoint.monitor (or EarlyStopping's monitor) the module does not log stops fit after the sanity check",
         "--checkpoint.monitor=null",
-        lambda c, s: s == "fit" and c.get("checkpoint.monitor") is not None,
+        lambda c, s: s == "fit",
         announced=False,
     ),
     Mechanism(
@@ -259,7 +259,8 @@ def callbacks(
         # Lightning's default bar redraws after every step, which costs more than a small model's step here.
         added.append(TQDMProgressBar(refresh_rate=10))
     if subcommand == "fit":
-        added += [*([MonitorCheck(monitor)] if monitor else []), *([Preemption()] if run.preemption else [])]
+        monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
+        added += [*([MonitorCheck(monitors)] if monitors else []), *([Preemption()] if run.preemption else [])]
         # After Preemption: provenance records the signal it stopped on.
         added += [Provenance(), TrackerRuns(), *(ema_callbacks(**vars(ema)) if ema is not None else [])]
         added += periodic_checkpoint(run)
@@ -304,41 +305,58 @@ def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config
 
 
 class MonitorCheck(Callback):
-    """Stops a run whose ``checkpoint.monitor`` the module does not log, with one line naming the metrics it does log.
+    """Stops a run whose ``checkpoint.monitor`` (or a configured callback's ``monitor``, e.g. EarlyStopping's) the
+    module does not log, with one line naming the metrics it does log.
 
     A validation metric is checked after the sanity check, before any training step; a training one (``train*``)
     after the first validation, when training has logged. Lightning's ModelCheckpoint finds out only at the end of
-    the first training epoch, with a traceback.
+    the first training epoch, and EarlyStopping after the first validation, with a traceback.
     """
 
-    def __init__(self, monitor: str) -> None:
-        self.monitor = monitor
-        self._checked = False
+    def __init__(self, monitors: dict[str, str]) -> None:
+        # option (as the user sets it) -> metric name
+        self.monitors = dict(monitors)
+        self._checked: set[str] = set()
 
     @override
     def on_sanity_check_end(self, trainer: Trainer, pl_module: Any) -> None:
-        if not self.monitor.startswith("train"):
-            self._check(trainer)
+        self._check(trainer, training=False)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not trainer.sanity_checking:
-            self._check(trainer)
+            self._check(trainer, training=True)
 
-    def _check(self, trainer: Trainer) -> None:
-        if self._checked:
-            return
-        self._checked = True
+    def _check(self, trainer: Trainer, training: bool) -> None:
         logged = sorted(trainer.callback_metrics)
-        if self.monitor in logged:
-            return
-        example = next((m for m in logged if m.startswith("val")), logged[0] if logged else "val_loss")
-        mode = "max" if any(w in example for w in ("acc", "f1", "auc", "precision", "recall")) else "min"
-        raise ConfigError(
-            f"checkpoint.monitor={self.monitor!r} is not logged by the module (it logs: "
-            f"{', '.join(logged) or 'nothing'}); name one of those, e.g. --checkpoint.monitor={example} "
-            f"--checkpoint.mode={mode}"
-        )
+        for option, metric in self.monitors.items():
+            if option in self._checked or (metric.startswith("train") and not training):
+                continue
+            self._checked.add(option)
+            if metric in logged:
+                continue
+            example = next((m for m in logged if m.startswith("val")), logged[0] if logged else "val_loss")
+            mode = "max" if any(w in example for w in ("acc", "f1", "auc", "precision", "recall")) else "min"
+            fix = (
+                f"--checkpoint.monitor={example} --checkpoint.mode={mode}"
+                if option == "checkpoint.monitor"
+                else f"monitor: {example} (mode: {mode})"
+            )
+            raise ConfigError(
+                f"{option}={metric!r} is not logged by the module (it logs: {', '.join(logged) or 'nothing'}); "
+                f"name one of those, e.g. {fix}"
+            )
+
+
+def _monitors(checkpoint_monitor: str | None, configured: list[Any]) -> dict[str, str]:
+    """The metrics the run's callbacks monitor, by the option that set each: ``checkpoint.monitor``, and the
+    ``monitor`` of each callback in ``trainer.callbacks`` that stops a run on a missing metric (EarlyStopping)."""
+    monitors = {"checkpoint.monitor": checkpoint_monitor} if checkpoint_monitor else {}
+    for index, callback in enumerate(configured):
+        metric = getattr(callback, "monitor", None)
+        if isinstance(metric, str) and getattr(callback, "strict", True):
+            monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
+    return monitors
 
 
 def best_checkpoint_line(checkpoint: ModelCheckpoint | None) -> str | None:
