@@ -81,13 +81,18 @@ def _where(frame: Any, line: int) -> str:
     return f"{name} ({filename}:{line})"
 
 
-def refused_by(err: BaseException, package: str | None = None) -> str | None:
+def refused_by(err: BaseException, package: str | None = None, building: bool = False) -> str | None:
     """The library class (or function) that refused a value, for an exception a library (``package`` if given)
-    raised; None otherwise."""
+    raised; None otherwise.
+
+    ``building``: ``err`` came from building the config's objects, so any exception of a library that no code of
+    the user's called (a RuntimeError for a negative size too) is the values' fault.
+    """
     cause = root_cause(err)
-    if not isinstance(cause, REFUSALS):
-        return None
     frames = list(_frames(cause.__traceback__))
+    own = any(is_user_file(frame.f_code.co_filename) for frame, _ in frames)
+    if not isinstance(cause, REFUSALS) and not (building and not own):
+        return None
     # A missing package is the environment's wherever the import is; other exceptions from the user's code are theirs.
     if not frames or (is_user_file(frames[-1][0].f_code.co_filename) and not isinstance(cause, ImportError)):
         return None
@@ -107,7 +112,7 @@ def refused_by(err: BaseException, package: str | None = None) -> str | None:
 def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError | None:
     """A one-line ConfigError for a value a library refused while ``key`` (``model``, ``trainer``...) was built from
     the options ``values`` (dotted name -> value); None when ``err`` is not a library's refusal."""
-    library = refused_by(err)
+    library = refused_by(err, building=True)
     if library is None:
         return None
     cause = root_cause(err)
@@ -164,6 +169,22 @@ def _own_distribution() -> str | None:
     package = __name__.split(".")[0]
     names = importlib.metadata.packages_distributions().get(package, [])
     return names[0] if names else None
+
+
+def option_being_built(err: BaseException, config: Any) -> str | None:
+    """The option (``model.init_args.net``) whose ``class_path`` names the innermost class whose constructor ``err``
+    passed through; None when none of the config's classes was being built."""
+    options = {
+        value.rsplit(".", 1)[-1]: key.removesuffix(".class_path")
+        for key, value in config.items()
+        if key.endswith(".class_path") and isinstance(value, str)
+    }
+    for frame, _ in reversed(list(_frames(root_cause(err).__traceback__))):
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        for cls in type(owner).__mro__ if owner is not None else ():
+            if cls.__name__ in options:
+                return options[cls.__name__]
+    return None
 
 
 def leaves(config: Any, prefix: str) -> dict[str, Any]:

@@ -211,7 +211,9 @@ class CLI(LightningCLI):
             # A value a library refused while a configured class was built (dropout=1.5, mode=maximum), or a
             # package it needs that is missing (a tracker's extra): one line naming the option.
             config = self.config[self.subcommand] if self.subcommand else self.config
-            refused = blame.refusal(err, "the configuration", blame.leaves(config, ""))
+            option = blame.option_being_built(err, config)
+            values = blame.leaves(config, f"{option}.init_args" if option else "")
+            refused = blame.refusal(err, option or "the configuration", values)
             if refused is None:
                 raise
             raise refused from None
