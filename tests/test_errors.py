@@ -75,7 +75,7 @@ CASES = {
     "net-dropout": (["--model.net.init_args.dropout=1.5"], ["dropout=1.5", "Dropout", "between 0 and 1"]),
     "net-without-parameters": (["--model.net=torch.nn.Flatten"], ["no trainable parameters", "torch.nn.Flatten"]),
     "net-negative-size": (
-        ["--model.net=torch.nn.Linear", "--model.net.init_args.in_features=-3", "--model.net.init_args.out_features=10"],
+        ["--model.net=torch.nn.Linear", "--model.net.init_args.in_features=-3", "--model.net.out_features=10"],
         ["model.init_args.net", "Linear", "negative dimension -3", "in_features=-3"],
     ),
     "checkpoint-mode": (["--checkpoint.mode=maximum"], ["checkpoint.mode='maximum'", "ModelCheckpoint", "min, max"]),
