@@ -51,10 +51,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
             if tmp is None:
-                # An O_TMPFILE file has no name until now: the window in which a kill can leak it is this link.
+                # An O_TMPFILE file has no name until now: a kill can leak it only between this link and the rename.
                 tmp = _temporary_name(path)
                 _link_unnamed(f.fileno(), tmp)
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # at once, before the file is closed: that window stays two system calls wide
     except BaseException as err:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
