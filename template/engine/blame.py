@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from template.engine.errors import ConfigError, one_line
+from template.engine.errors import ConfigError, chain, one_line
 
 _ENGINE = str(Path(__file__).resolve().parent)
 _INSTALLED = tuple(
@@ -43,11 +43,8 @@ def is_user_file(filename: str) -> bool:
 
 def root_cause(err: BaseException) -> BaseException:
     """The first exception of ``err``'s chain: what went wrong before libraries wrapped it in their own messages."""
-    seen = {id(err)}
-    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        err = inner
-    return err
+    *_, first = chain(err)
+    return first
 
 
 def _frames(tb: TracebackType | None) -> Iterator[tuple[Any, int]]:

@@ -3,9 +3,12 @@ library messages (jsonargparse, Lightning) into a line that names the bad value 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -93,17 +96,22 @@ def explain_trainer_error(text: str) -> str:
     return f"invalid trainer settings: {text}"
 
 
+def chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err``, then what caused it (``__cause__``, else ``__context__``), down to the first exception."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 def config_error_in(err: BaseException) -> ConfigError | None:
     """The ConfigError that caused ``err``, if any: in the exception chain, or quoted in its message."""
-    seen = set()
-    text = str(err)
-    while err is not None and id(err) not in seen:
-        if isinstance(err, ConfigError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
+    found = next((e for e in chain(err) if isinstance(e, ConfigError)), None)
+    if found is not None:
+        return found
     newest = ConfigError.newest
-    return newest if newest is not None and str(newest) and str(newest) in text else None
+    return newest if newest is not None and str(newest) and str(newest) in str(err) else None
 
 
 class DiskError(Exception):
@@ -166,17 +174,10 @@ def _fix(err: OSError, path: str, option: str) -> str:
 
 def _file_on_the_way(path: str) -> str | None:
     """The first existing part of ``path`` that is not a folder (what ENOTDIR is about), or None."""
-    current = os.path.abspath(path)
-    parts = []
-    while True:
-        parts.append(current)
-        parent = os.path.dirname(current)
-        if parent == current:
-            break
-        current = parent
-    for part in reversed(parts):
-        if os.path.lexists(part) and not os.path.isdir(part):
-            return part
+    absolute = Path(os.path.abspath(path))
+    for part in reversed([absolute, *absolute.parents]):
+        if os.path.lexists(part) and not part.is_dir():
+            return str(part)
     return None
 
 
@@ -186,15 +187,26 @@ def disk_error_in(err: BaseException) -> DiskError | None:
     A missing file counts only where the folder that should hold it is missing too (a folder vanished): a
     missing input file is the caller's to report.
     """
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, DiskError):
-            return err
-        if isinstance(err, OSError) and isinstance(err.filename, (str, os.PathLike)):
-            vanished = err.errno != errno.ENOENT or not os.path.isdir(os.path.dirname(os.path.abspath(err.filename)))
-            found = disk_error(err, err.filename, kept="nothing else was changed") if vanished else None
+    for cause in chain(err):
+        if isinstance(cause, DiskError):
+            return cause
+        if isinstance(cause, OSError) and isinstance(cause.filename, (str, os.PathLike)):
+            vanished = cause.errno != errno.ENOENT or not os.path.isdir(
+                os.path.dirname(os.path.abspath(cause.filename))
+            )
+            found = disk_error(cause, cause.filename, kept="nothing else was changed") if vanished else None
             if found is not None:
                 return found
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
     return None
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | os.PathLike, kept: str, option: str = ROOT_OPTION) -> Iterator[None]:
+    """An OSError of the disk in the block becomes one DiskError line naming the file it names (else ``path``)."""
+    try:
+        yield
+    except OSError as err:
+        error = disk_error(err, err.filename if isinstance(err.filename, (str, os.PathLike)) else path, kept, option)
+        if error is None:
+            raise
+        raise error from None

@@ -7,7 +7,7 @@ import csv
 import io
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from template.engine import internals
 from template.engine.atomic import atomic_write, undone_on_failure
-from template.engine.errors import ConfigError, DiskError, disk_error
+from template.engine.errors import ConfigError, DiskError, disk_errors
 
 HPARAMS = "hparams.yaml"
 METRICS = "metrics.csv"
@@ -71,16 +71,8 @@ class _TimedSave:
                 undo.enter_context(undone_on_failure(path, copy=copy))
             save()
 
-    @contextlib.contextmanager
-    def _disk_errors(self, kept: str) -> Iterator[None]:
-        try:
-            yield
-        except OSError as err:
-            where = err.filename if isinstance(err.filename, (str, os.PathLike)) else None
-            error = disk_error(err, where or getattr(self, "log_dir", None) or "the logs", kept=kept)
-            if error is None:
-                raise
-            raise error from None
+    def _disk_errors(self, kept: str) -> contextlib.AbstractContextManager[None]:
+        return disk_errors(getattr(self, "log_dir", None) or "the logs", kept)
 
     def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
         # Lightning writes hparams.yaml in place when a run starts: a full disk must leave no 0-byte file.
@@ -215,13 +207,8 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
     try:
         rows = read_metrics(path)
     except DamagedMetrics as err:
-        try:
+        with disk_errors(path, kept="nothing was changed"):
             aside = set_aside(path)
-        except OSError as rename:
-            error = disk_error(rename, path, kept="nothing was changed")
-            if error is None:
-                raise
-            raise error from None
         rank_zero_info(f"{path} is damaged ({err}): kept aside as {aside.name}; this run's logs start afresh")
         return []
     return [{k: v for k, v in row.items() if v not in ("", None)} for row in rows]
@@ -235,11 +222,10 @@ def _drop_rows_from(path: Path, step: int) -> None:
         rows = read_metrics(path)
     except DamagedMetrics:
         return  # read when the run resumed; a file changed since is not this run's to rewrite
-    with path.open(newline="") as f:
-        header = csv.DictReader(f).fieldnames or []
     kept = [row for row in rows if float(row["step"]) < step]
     if len(kept) == len(rows):
         return
+    header = list(rows[0])  # read_metrics checked that every row has exactly the header's cells
 
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=header)

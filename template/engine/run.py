@@ -7,7 +7,6 @@ import fcntl
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from template.engine import checkpoints
 from template.engine.atomic import atomic_write, prove_writable, undone_on_failure
-from template.engine.errors import ConfigError, disk_error
+from template.engine.errors import ConfigError, disk_errors
 
 LOGS = "lightning_logs"
 # Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
@@ -135,7 +134,7 @@ class RunConfigCallback(SaveConfigCallback):
         exists = trainer.strategy.broadcast(first.is_file() if trainer.is_global_zero else False)
         if not exists:
             # jsonargparse writes config.yaml in place: a full disk must not leave a 0-byte or partial one.
-            with _disk_errors(first), undone_on_failure(first, copy=False):
+            with disk_errors(first, "nothing was written"), undone_on_failure(first, copy=False):
                 super().setup(trainer, pl_module, stage)
             return
         if trainer.is_global_zero:
@@ -146,21 +145,9 @@ class RunConfigCallback(SaveConfigCallback):
                 while (Path(log_dir) / f"config.restart-{n}.yaml").exists():
                     n += 1
                 restart = Path(log_dir) / f"config.restart-{n}.yaml"
-                with _disk_errors(restart):
+                with disk_errors(restart, "nothing was written"):
                     atomic_write(restart, lambda f: f.write(text.encode()))
         self.already_saved = trainer.strategy.broadcast(True)
-
-
-@contextlib.contextmanager
-def _disk_errors(path: Path) -> Iterator[None]:
-    """An OSError of the disk while writing ``path`` becomes one DiskError line."""
-    try:
-        yield
-    except OSError as err:
-        error = disk_error(err, err.filename if isinstance(err.filename, str) else path, "nothing was written")
-        if error is None:
-            raise
-        raise error from None
 
 
 def _without_ckpt_path(text: str) -> str:
