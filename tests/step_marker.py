@@ -14,13 +14,17 @@ class StepMarker(Callback):
 
     ``val_delay`` > 0 also paces validation: ``sanity <step> <time>`` or ``val <step> <time>`` after each validation
     batch, then a sleep; ``end_delay`` > 0 writes ``end <step> <time>`` in ``on_train_end`` and sleeps there.
+    ``exit_delay`` > 0 makes rank 0's exit slow: a sleep when the run stops, before Lightning writes the logs.
     """
 
-    def __init__(self, path: str, delay: float = 0.0, val_delay: float = 0.0, end_delay: float = 0.0) -> None:
+    def __init__(
+        self, path: str, delay: float = 0.0, val_delay: float = 0.0, end_delay: float = 0.0, exit_delay: float = 0.0
+    ) -> None:
         self.path = path
         self.delay = delay
         self.val_delay = val_delay
         self.end_delay = end_delay
+        self.exit_delay = exit_delay
 
     def _mark(self, trainer: Trainer, *prefix: str) -> None:
         if trainer.is_global_zero:
@@ -40,3 +44,7 @@ class StepMarker(Callback):
         if self.end_delay:
             self._mark(trainer, "end")
             time.sleep(self.end_delay)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if trainer.is_global_zero:
+            time.sleep(self.exit_delay)

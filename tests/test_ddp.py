@@ -1,10 +1,12 @@
 """DDP on CPU: 2 processes over gloo, launched by Lightning from the real command."""
 
 import csv
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, PACKAGE, cli_env
 
 pytestmark = pytest.mark.slow  # two DDP processes
 
@@ -31,3 +33,25 @@ def test_ddp_cpu_config_trains_two_processes(run_cli, tmp_path):
     # prepare_data ran once, and none of our own lines is printed twice.
     for line in OUR_LINES:
         assert output.count(line) == 1, line
+
+
+def test_every_rank_ends_its_process_group_before_it_exits(tmp_path):
+    # A gloo group left to the interpreter's teardown aborts the process about one exit in ten (SIGABRT after a
+    # finished run). Two ranks under torchrun, which waits for both; the script runs the command line as -m does.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import atexit, os\n"
+        "import torch.distributed as dist\n"
+        f"from {PACKAGE}.engine.cli import main\n\n"
+        "rank = os.environ['RANK']\n"
+        "end = lambda: print(f'rank {rank} exits, process group open: {dist.is_initialized()}', flush=True)\n"
+        "atexit.register(end)\n"
+        "main()\n"
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    tiny = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1"]
+    command = [*torchrun, str(script), "fit", "--config", str(CONFIGS / "ddp_cpu.yaml"), *tiny]
+    done = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ends = sorted(line for line in done.stdout.splitlines() if " exits, process group open: " in line)
+    assert ends == ["rank 0 exits, process group open: False", "rank 1 exits, process group open: False"], ends

@@ -338,10 +338,14 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
 
 
 def test_sigterm_during_validation_under_ddp_stops_every_rank_with_a_checkpoint(tmp_path: Path) -> None:
-    marker = _marker(tmp_path, val_delay=0.5)
+    # Rank 0's exit is slowed past the 5 s at which Lightning's launcher looks at its child ranks: a child that
+    # exits non-zero first gets rank 0 killed before it writes the logs (exit -9, no metrics.csv).
+    marker = _marker(tmp_path, val_delay=0.5, exit_delay=6)
     command = [sys.executable, "-m", PACKAGE, *DDP, "--config", marker, "--run.name=ddp-val"]
     proc = _start(command, tmp_path, _env(tmp_path, MASTER_PORT=str(_free_port())))
     step = _wait_for_mark(tmp_path / "steps.txt", "val", proc)
     code, seconds = _signal_and_finish(proc, signal.SIGTERM)  # rank 0 only: the ranks agree at the next batch end
     assert step == 8 and _check_stopped(tmp_path, "ddp-val", signal.SIGTERM, code)["global_step"] == 8
+    with (tmp_path / "lightning_logs" / "ddp-val" / "metrics.csv").open(newline="") as f:
+        assert [int(row["step"]) for row in csv.DictReader(f) if row.get("train_loss")] == list(range(8))
     print(f"\nSIGTERM in validation under DDP: exit {code} {seconds:.2f} s after the signal")

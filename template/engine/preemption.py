@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -131,7 +131,9 @@ class Preemption(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._stopping is not None and isinstance(exception, SIGTERMException):
             # Lightning's SIGTERMException exits 0; a run stopped before its end exits 128 + the signal, as if killed.
-            exception.code = 128 + self._stopping[0]
+            # A rank that Lightning's launcher started exits 0: the launching process reports the job's code, and
+            # the launcher kills it the moment a child exits non-zero, before it has written the run's logs.
+            exception.code = 0 if _started_by_lightnings_launcher(trainer) else 128 + self._stopping[0]
         self._end()
 
     def _end(self) -> None:
@@ -202,6 +204,11 @@ def _checkpoint_dir(trainer: Trainer) -> str:
     if callback is not None and getattr(callback, "dirpath", None):
         return str(callback.dirpath)
     return os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+
+
+def _started_by_lightnings_launcher(trainer: Trainer) -> bool:
+    """A child rank of ``strategy: ddp`` without torchrun or SLURM (LightningEnvironment sets LOCAL_RANK for it)."""
+    return trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
 
 
 def _requeue_signal(trainer: Trainer) -> int:

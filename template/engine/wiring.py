@@ -136,7 +136,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     ),
     Mechanism(
         "hang watchdog",
-        "a rank waiting longer than watchdog.timeout s ends the job",
+        "a rank waiting longer than watchdog.timeout s ends the job; each rank ends its process group at exit",
         "none; raise --watchdog.timeout (Lightning's: 1800)",
         lambda c, s: True,
     ),
