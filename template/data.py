@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -108,24 +109,14 @@ class DigitsDataModule(LightningDataModule):
         directory = Path(self.data_dir)
         try:
             if directory.exists() and not directory.is_dir():
-                raise ConfigError(f"data.data_dir '{directory}' is a file; point data.data_dir to a directory")
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.cache_path))
             cached = _read_cache(self.cache_path)
             if not isinstance(cached, str):
                 return
             directory.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(_read_archive(), self.cache_path)
         except OSError as err:
-            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                # Permissions or a read-only filesystem: the folder is the user's choice to change.
-                raise ConfigError(
-                    f"data.data_dir '{directory}' is not writable ({err.strerror} [Errno {err.errno}]); choose "
-                    "another data.data_dir"
-                ) from None
-            if err.errno in (errno.ENOTDIR, errno.EEXIST) and not directory.is_dir():
-                raise ConfigError(
-                    f"data.data_dir '{directory}' is not a directory ({err.strerror} [Errno {err.errno}]); point "
-                    "data.data_dir to a directory"
-                ) from None
+            # Read-only, not writable, a file in the way, full, a name too long: one line naming the folder's option.
             error = disk_error(err, self.cache_path, kept="nothing was written there", option="--data.data_dir")
             if error is None:
                 raise
