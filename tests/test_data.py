@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from template.data import DigitsDataModule
-from template.engine.errors import ConfigError
+from template.engine.errors import ConfigError, DiskError
 from tests.conftest import CONFIGS, PACKAGE, cli_env
 
 TESTS = Path(__file__).parent
@@ -82,7 +82,7 @@ def test_concurrent_writers_leave_a_valid_file(tmp_path):
 def test_data_dir_that_is_a_file_is_refused(tmp_path):
     target = tmp_path / "file"
     target.write_text("keep me")
-    with pytest.raises(ConfigError, match="is a file"):
+    with pytest.raises(DiskError, match=r"\[Errno 20\].*is a file, not a folder.*--data.data_dir"):
         DigitsDataModule(data_dir=str(target)).prepare_data()
     assert target.read_text() == "keep me"
 
