@@ -255,5 +255,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         text = io.StringIO(newline="")
         writer = csv.writer(text)
         writer.writerows([header, *cells])
-        Path(args.csv).write_text(text.getvalue())
+        _write_csv(args.csv, text.getvalue())
         print(f"Wrote {args.csv}")
+
+
+def _write_csv(path: str, text: str) -> None:
+    """Atomically (a kill or a full disk leaves the previous file); a failure of the disk is one line, exit 3."""
+    # Imported here: they import torch, which listing the runs does not need.
+    from template.engine.atomic import atomic_write
+    from template.engine.errors import disk_error
+
+    try:
+        atomic_write(path, lambda f: f.write(text.encode()))
+    except OSError as err:
+        error = disk_error(err, path, kept="the table is printed above", option="--csv")
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(3)
