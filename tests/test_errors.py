@@ -80,6 +80,8 @@ CASES = {
         ["model.init_args.net", "Linear", "negative dimension -3", "in_features=-3"],
     ),
     "checkpoint-mode": (["--checkpoint.mode=maximum"], ["checkpoint.mode='maximum'", "ModelCheckpoint", "min, max"]),
+    # The reason quotes "-1" too (Must be >= -1), as trainer.max_steps is: the option named is the one it assigns.
+    "checkpoint-save-top-k": (["--checkpoint.save_top_k=-2"], ["error: checkpoint.save_top_k=-2 refused by", ">= -1"]),
     # Trainer counts Lightning leaves unchecked; one checked against the data (the epoch has 1 batch here).
     "accumulate-zero": (["--trainer.accumulate_grad_batches=0"], ["accumulate_grad_batches=0", ">= 1"]),
     "val-check-interval-above-epoch": (

@@ -136,13 +136,16 @@ def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError
 
 
 def _options_named_in(reason: str, values: dict[str, Any]) -> list[str]:
-    """The options whose value the reason quotes; among several, those whose name it mentions too."""
-    words = set(re.findall(r"[\w.+-]+", reason))
+    """The options whose value the reason quotes; among several, those whose name it mentions too. None when the
+    reason gives a value to a name (``save_top_k=-2``) that is not among them: a value quoted elsewhere in it (``>=
+    -1``) is then a coincidence."""
+    words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", reason)}  # "-2." at a sentence's end is -2
     quoted = [k for k, v in values.items() if v is not None and not isinstance(v, bool) and str(v) in words]
-    if len(quoted) <= 1:
-        return quoted
     mentioned = [k for k in quoted if k.rsplit(".", 1)[-1].lower() in reason.lower()]
-    return mentioned if mentioned else []
+    if mentioned or len(quoted) > 1:
+        return mentioned
+    assigned = set(re.findall(r"([A-Za-z_]\w*)\s*=", reason))
+    return [] if assigned else quoted
 
 
 def install_hint(err: ImportError) -> str:
