@@ -24,6 +24,7 @@ ROOT = os.geteuid() == 0
 # Root writes through permission bits; sysfs refuses new directories even to root.
 UNWRITABLE = "/sys/unwritable-test-data/data" if ROOT else "readonly/data"
 
+ES = "lightning.pytorch.callbacks.EarlyStopping"
 BASE = [
     "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
     "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
@@ -81,6 +82,10 @@ CASES = {
     ),
     "checkpoint-mode": (["--checkpoint.mode=maximum"], ["checkpoint.mode='maximum'", "ModelCheckpoint", "min, max"]),
     # The reason quotes "-1" too (Must be >= -1), as trainer.max_steps is: the option named is the one it assigns.
+    "callback-in-a-list": (
+        [f"--trainer.callbacks={ES}", "--trainer.callbacks.monitor=val_acc", "--trainer.callbacks.mode=maximum"],
+        ["error: trainer.callbacks[0].init_args.mode='maximum' refused by", "EarlyStopping"],
+    ),
     "checkpoint-save-top-k": (["--checkpoint.save_top_k=-2"], ["error: checkpoint.save_top_k=-2 refused by", ">= -1"]),
     # Trainer counts Lightning leaves unchecked; one checked against the data (the epoch has 1 batch here).
     "accumulate-zero": (["--trainer.accumulate_grad_batches=0"], ["accumulate_grad_batches=0", ">= 1"]),
@@ -93,7 +98,7 @@ CASES = {
         ["model.init_args.scheduler", "StepLR", "step_size=0"],
     ),
     "early-stopping-monitor": (
-        ["--trainer.callbacks=lightning.pytorch.callbacks.EarlyStopping", "--trainer.callbacks.monitor=val_accuracy"],
+        [f"--trainer.callbacks={ES}", "--trainer.callbacks.monitor=val_accuracy"],
         ["EarlyStopping", "val_accuracy", "val_acc"],
     ),
     "misspelt-monitor": (["--checkpoint.monitor=val_accuracy"], ["val_accuracy", "val_acc", "--checkpoint.monitor="]),

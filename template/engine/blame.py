@@ -172,11 +172,11 @@ def _own_distribution() -> str | None:
 
 
 def option_being_built(err: BaseException, config: Any) -> str | None:
-    """The option (``model.init_args.net``) whose ``class_path`` names the innermost class whose constructor ``err``
-    passed through; None when none of the config's classes was being built."""
+    """The option (``model.init_args.net``, ``trainer.callbacks[0]``) whose ``class_path`` names the innermost class
+    whose constructor ``err`` passed through; None when none of the config's classes was being built."""
     options = {
         value.rsplit(".", 1)[-1]: key.removesuffix(".class_path")
-        for key, value in config.items()
+        for key, value in _flattened(config)
         if key.endswith(".class_path") and isinstance(value, str)
     }
     for frame, _ in reversed(list(_frames(root_cause(err).__traceback__))):
@@ -188,11 +188,23 @@ def option_being_built(err: BaseException, config: Any) -> str | None:
 
 
 def leaves(config: Any, prefix: str) -> dict[str, Any]:
-    """Every option under a parsed config's ``prefix`` section as ``prefix.a.b`` -> value."""
-    section = config.get(prefix) if prefix else config
+    """Every option under a parsed config's ``prefix`` section as ``prefix.a.b`` -> value (the classes in a list
+    such as ``trainer.callbacks`` as ``trainer.callbacks[0].init_args.a``)."""
+    flat = dict(_flattened(config))
+    if not prefix:
+        return flat
+    return {key: value for key, value in flat.items() if key == prefix or key.startswith(f"{prefix}.")}
+
+
+def _flattened(section: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if not hasattr(section, "items"):
-        return {prefix: section}
-    return {f"{prefix}.{name}" if prefix else name: value for name, value in section.items()}
+        return
+    for key, value in section.items():
+        if isinstance(value, list) and value and all(hasattr(item, "items") for item in value):
+            for i, item in enumerate(value):
+                yield from _flattened(item, f"{prefix}{key}[{i}].")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def user_code_line(err: BaseException) -> str | None:
