@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import gzip
-import os
 from importlib import resources
 from pathlib import Path
 
@@ -108,8 +106,6 @@ class DigitsDataModule(LightningDataModule):
         """Materialise the packaged archive into ``data_dir`` once (Lightning calls this on one process per node)."""
         directory = Path(self.data_dir)
         try:
-            if directory.exists() and not directory.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.cache_path))
             cached = _read_cache(self.cache_path)
             if not isinstance(cached, str):
                 return

@@ -148,19 +148,16 @@ def test_runs_shows_a_run_whose_metrics_csv_is_damaged(tmp_path: Path, capsys, d
 
 
 @pytest.mark.parametrize("target", ["afile/runs.csv", "afolder"], ids=["file-on-the-way", "a-folder"])
-def test_an_unwritable_csv_is_one_line_and_leaves_files_as_they_were(tmp_path: Path, capsys, target: str) -> None:  # noqa: ANN001
-    from template.engine.runs import main
-
+def test_an_unwritable_csv_is_one_line_and_leaves_files_as_they_were(tmp_path: Path, run_main, target: str) -> None:  # noqa: ANN001
     run = tmp_path / "lightning_logs" / "finished"
     run.mkdir(parents=True)
     (run / "metrics.csv").write_text("epoch,step,val_acc\n0,3,0.5\n")
     (tmp_path / "afile").write_text("keep me")
     (tmp_path / "afolder").mkdir()
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(tmp_path), "--csv", str(tmp_path / target)])
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert exit_info.value.code == 3 and len(errors) == 1, errors
+    done = run_main("runs", str(tmp_path), "--csv", str(tmp_path / target))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 3 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
     assert str(tmp_path / target) in errors[0] and "--csv" in errors[0], errors[0]
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
     assert (tmp_path / "afile").read_text() == "keep me"

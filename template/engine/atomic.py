@@ -30,9 +30,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     """Call ``write`` on a file beside ``path`` (same filesystem), fsync it, ``os.replace`` it onto ``path``."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    remove_stale_temporaries(path)
-    mode = _target_mode(path)
     try:
+        remove_stale_temporaries(path)
+        mode = _target_mode(path)
         fd, tmp = _open_temporary(path)
     except OSError as err:
         err.filename = str(path)  # not the temporary's name: the file the user knows

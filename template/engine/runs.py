@@ -260,16 +260,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _write_csv(path: str, text: str) -> None:
-    """Atomically (a kill or a full disk leaves the previous file); a failure of the disk is one line, exit 3."""
-    # Imported here: they import torch, which listing the runs does not need.
+    """Atomically: a kill or a full disk leaves the previous file (a failure of the disk is one line, exit 3)."""
+    # Imported here: they import torch, which reading the runs does not need.
     from template.engine.atomic import atomic_write
-    from template.engine.errors import disk_error
+    from template.engine.errors import disk_errors
 
-    try:
+    with disk_errors(path, kept="the table is printed above", option="--csv"):
         atomic_write(path, lambda f: f.write(text.encode()))
-    except OSError as err:
-        error = disk_error(err, path, kept="the table is printed above", option="--csv")
-        if error is None:
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(3)
