@@ -46,5 +46,5 @@ class StepMarker(Callback):
             time.sleep(self.end_delay)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if trainer.is_global_zero:
+        if self.exit_delay and trainer.is_global_zero:
             time.sleep(self.exit_delay)

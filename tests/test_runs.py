@@ -147,7 +147,7 @@ def test_runs_shows_a_run_whose_metrics_csv_is_damaged(tmp_path: Path, capsys, d
     assert row["best"] == next((v for k, v in best.items() if k in damage), "-")
 
 
-@pytest.mark.parametrize("target", ["afile/runs.csv", "afolder"], ids=["file-on-the-way", "a-folder"])
+@pytest.mark.parametrize("target", ["afile/runs.csv", "afolder"], ids=["a-file-in-the-way", "a-folder"])
 def test_an_unwritable_csv_is_one_line_and_leaves_files_as_they_were(tmp_path: Path, run_main, target: str) -> None:  # noqa: ANN001
     run = tmp_path / "lightning_logs" / "finished"
     run.mkdir(parents=True)
