@@ -35,7 +35,8 @@ class ThroughputLog(Callback):
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._available_flops: int | None = None
-        self._epochs: list[dict[str, float]] = []
+        self._epochs: list[dict[str, float]] = []  # the figures as logged: reduced over processes, float32
+        self._logged: list[str] = []  # the names logged at the last epoch's end, not yet read back
         self._reset()
 
     def _reset(self) -> None:
@@ -55,6 +56,7 @@ class ThroughputLog(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.enabled:
             return
+        self._read_back(trainer)
         self._reset()
         device = trainer.strategy.root_device
         if device.type == "cuda":
@@ -107,12 +109,24 @@ class ThroughputLog(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        self._epochs.append(metrics)
+        self._logged = list(metrics)
         for name, value in metrics.items():
             # Each process estimates the whole run's rate from its own time: the log holds the mean over processes
             # (one all-reduce per epoch), and the largest peak memory.
             reduce = "max" if name == "peak_memory_gib" else "mean"
             pl_module.log(PREFIX + name, float(value), on_epoch=True, on_step=False, sync_dist=True, reduce_fx=reduce)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._read_back(trainer)
+
+    def _read_back(self, trainer: Trainer) -> None:
+        """The last epoch's figures as Lightning reduced and logged them after ``on_train_epoch_end``: the printed
+        line then says what the logs hold."""
+        logged = {name: trainer.callback_metrics.get(PREFIX + name) for name in self._logged}
+        if self._logged and all(value is not None for value in logged.values()):
+            self._epochs.append({name: float(value) for name, value in logged.items()})
+        self._logged = []
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
