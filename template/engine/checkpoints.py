@@ -74,6 +74,14 @@ def describe(path: str | os.PathLike) -> str:
     return f"epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')}"
 
 
+def directory(trainer: Any) -> str:
+    """Where the run's checkpoints go: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and getattr(callback, "dirpath", None):
+        return str(callback.dirpath)
+    return os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+
+
 def newest(directories: list[Path]) -> str | None:
     """The most recently written ``.ckpt`` in ``directories``, or None."""
     candidates = [p for d in directories if d.is_dir() for p in d.glob("*.ckpt") if p.is_file()]

@@ -125,32 +125,26 @@ def stop_as_on_sigterm(trainer: Trainer) -> None:
     connector.received_sigterm = True
 
 
-def resume_validation_from_its_start(checkpoint: dict[str, Any], sanity_check: bool) -> None:
-    """Make a checkpoint written at a validation batch's end resume by running that validation again from its start.
+def accumulating(trainer: Trainer) -> bool:
+    """Whether the training batch that just ended only accumulated gradients: the optimizer steps at a later batch.
 
-    Lightning resumes validation only from a checkpoint written inside a validation step (its val loop's progress:
-    batch started, not processed; ``RestartStage.RESTARTED_MID_EVALUATION``). From one written at a batch's end it
-    skips the rest of that validation (no metrics, no monitored checkpoint for that epoch). Preemption writes
-    ``interrupted.ckpt`` at a validation batch's end, so it rewinds the counters to "first batch started". For the
-    sanity check it zeroes them: Lightning resets them after the sanity check, and a resumed run skips it.
-    The counters are in ``checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]``.
+    Checkpoints hold no gradients, so one written between micro-batches (``accumulate_grad_batches`` > 1) would lose
+    those accumulated so far. Lightning decides it in ``fit_loop.epoch_loop._should_accumulate()``.
     """
-    needed_for = "preemption (interrupted.ckpt in validation)"
-    fit_loop = _require_key(_require_key(checkpoint, "loops", needed_for), "fit_loop", needed_for)
-    progress = _require_key(fit_loop, "epoch_loop.val_loop.batch_progress", needed_for)
-    for counters in (progress["total"], progress["current"]):
-        if set(counters) != {"ready", "started", "processed", "completed"}:
-            raise _changed("lightning", "_BatchProgress counters", needed_for)
-        started = 0 if sanity_check else 1
-        counters.update(ready=started, started=started, processed=0, completed=0)
-    progress["is_last_batch"] = False
+    loop = trainer.fit_loop.epoch_loop
+    return bool(_require(loop, "_should_accumulate", "lightning", "exact resume (gradient accumulation)")())
 
 
-def _require_key(mapping: dict[str, Any], key: str, needed_for: str) -> Any:
-    try:
-        return mapping[key]
-    except KeyError:
-        raise _changed("lightning", f"checkpoint[{key!r}]", needed_for) from None
+def validation_follows(trainer: Trainer) -> bool:
+    """Whether Lightning runs validation right after the training batch that just ended (before the next one).
+
+    Lightning resumes from a checkpoint written at such a batch's end by skipping that validation (its restart logic
+    takes the validation for done), which changes what follows: metrics, best checkpoints, plateau schedulers, random
+    states. It decides in ``fit_loop.epoch_loop._should_check_val_fx(data_fetcher)``, after the batch-end hooks.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    should_check = _require(loop, "_should_check_val_fx", "lightning", "exact resume (validation during an epoch)")
+    return bool(should_check(fit_data_fetcher(trainer)))
 
 
 def layer_sync_enabled(strategy: Strategy) -> bool:

@@ -18,24 +18,29 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from template.engine.internals import cluster_environment, resume_validation_from_its_start, stop_as_on_sigterm
+from template.engine import checkpoints
+from template.engine.internals import cluster_environment, stop_as_on_sigterm
+from template.engine.resume import exact_resume_point
 
 INTERRUPTED = "interrupted.ckpt"
 _REQUEUE_TIMEOUT = 60  # seconds; scontrol answers in well under a second on a healthy controller
 
 
 class Preemption(Callback):
-    """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C (SIGINT), write a checkpoint at the next safe point and
-    stop with exit code 128 + the signal.
+    """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C (SIGINT), write a checkpoint at the next point from which
+    the same command continues exactly, and stop with exit code 128 + the signal.
 
     Lightning's own SLURM handler saves inside the signal handler: in the middle of a step (not an exact resume)
     and, under DDP, with collectives that the other ranks are not in (a hang). Lightning's SIGTERM handling ends the
     run with exit code 0 during the sanity check, the last validation batch or after the last step, and Ctrl-C
     loses the work since the last checkpoint. Here the handlers, installed when fit sets up, only record the signal;
-    all ranks agree on it at the same safe point (a training or validation batch end, the end of an epoch, the end
-    of training), write ``interrupted.ckpt`` together, rank zero asks SLURM to requeue the job (``scontrol
-    requeue``, when Lightning's ``SLURMEnvironment.auto_requeue`` is on), and the run stops. A second Ctrl-C stops
-    at once (``KeyboardInterrupt``, Lightning's own shutdown).
+    all ranks agree on it at the same point (``resume.exact_resume_point``: a training batch's end that neither
+    accumulates gradients nor precedes a validation or the epoch's end; the end of an epoch; the end of training),
+    write ``interrupted.ckpt`` together, rank zero asks SLURM to requeue the job (``scontrol requeue``, when
+    Lightning's ``SLURMEnvironment.auto_requeue`` is on), and the run stops. A validation under way is finished first:
+    Lightning resumes a checkpoint written inside one inexactly. A signal in the sanity check stops at once without a
+    checkpoint: nothing has been trained. A second Ctrl-C stops at once (``KeyboardInterrupt``, Lightning's own
+    shutdown).
     """
 
     def __init__(self) -> None:
@@ -44,7 +49,6 @@ class Preemption(Callback):
         self.signalled_at: float | None = None
         self._active = False  # between setup and the end of fit: the handlers record; outside it they pass signals on
         self._original: dict[int, Any] = {}
-        self._in_validation: bool | None = None  # while writing interrupted.ckpt in validation: the sanity check?
 
     def _signals(self, trainer: Trainer) -> list[int]:
         return [signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT]
@@ -89,25 +93,16 @@ class Preemption(Callback):
         if self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
 
-    # The safe points: every rank is in the same hook, between steps.
+    # The points a stop is taken at: every rank is in the same hook, and a checkpoint written there resumes exactly.
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling.
-        self._stop_if_signalled(trainer, raise_now=False)
+        if exact_resume_point(trainer):
+            self._stop_if_signalled(trainer, raise_now=False)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        # The sanity check and validation: the weights are those validation started from. Lightning would go on
-        # after the last batch (and a sanity check would end with exit code 0): stop here.
-        self._in_validation = trainer.sanity_checking
-        try:
-            self._stop_if_signalled(trainer, raise_now=True)
-        finally:
-            self._in_validation = None
-
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        if self._in_validation is not None:
-            # The same command runs the interrupted validation again (Lightning would skip what was left of it).
-            resume_validation_from_its_start(checkpoint, sanity_check=self._in_validation)
+        if trainer.sanity_checking:
+            self._stop_if_signalled(trainer, raise_now=True, save=False)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning raises its SIGTERMException after the epoch's end, the last epoch's included.
@@ -147,21 +142,29 @@ class Preemption(Callback):
                 if handler is not None:
                     signal.signal(signum, handler)
 
-    def _stop_if_signalled(self, trainer: Trainer, raise_now: bool) -> None:
+    def _stop_if_signalled(self, trainer: Trainer, raise_now: bool, save: bool = True) -> None:
         if self._stopping is not None:
             return
         signum = self._agreed_signal(trainer)
         if signum is None:
             return
-        path = str(Path(_checkpoint_dir(trainer)) / INTERRUPTED)
-        trainer.save_checkpoint(path)
-        # Lightning's loggers buffer; what was logged up to this step reaches the disk now.
-        for logger in trainer.loggers:
-            logger.save()
+        path = ""
+        if save:
+            path = str(Path(checkpoints.directory(trainer)) / INTERRUPTED)
+            trainer.save_checkpoint(path)
+            # Lightning's loggers buffer; what was logged up to this step reaches the disk now.
+            for logger in trainer.loggers:
+                logger.save()
         requeued = signum == _requeue_signal(trainer) and _auto_requeue(trainer) and _requeue(trainer)
         self._stopping = (signum, path, requeued)
+        # A stop before any training step (the sanity check) needs no checkpoint: the run's newest one (none on a
+        # first start) is where it started, and a resumed run skips the sanity check.
+        name = signal.Signals(signum).name
         then = "the job is requeued and continues by itself" if requeued else "run the same command to continue"
-        rank_zero_info(f"Stopping on {signal.Signals(signum).name}: checkpoint {path} written{self._after()}; {then}")
+        if save:
+            rank_zero_info(f"Stopping on {name}: checkpoint {path} written{self._after()}; {then}")
+        else:
+            rank_zero_info(f"Stopping on {name} in the sanity check{self._after()}: nothing trained yet; {then}")
         # Lightning ends the loop as on its own SIGTERM handling (other callbacks can read trainer.received_sigterm).
         stop_as_on_sigterm(trainer)
         if raise_now:
@@ -197,13 +200,6 @@ def _pass_on(signum: int, frame: FrameType | None, handler: Any) -> None:
     elif handler in (signal.SIG_DFL, None):
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
-
-
-def _checkpoint_dir(trainer: Trainer) -> str:
-    callback = trainer.checkpoint_callback
-    if callback is not None and getattr(callback, "dirpath", None):
-        return str(callback.dirpath)
-    return os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
 
 
 def _started_by_lightnings_launcher(trainer: Trainer) -> bool:

@@ -1,4 +1,5 @@
-"""Exact resume: every process's random number generator states travel in the checkpoint and come back on resume."""
+"""Exact resume: every process's random number generator states travel in the checkpoint and come back on resume,
+and checkpoints written on the way (a stop, a periodic save) are written only where Lightning resumes exactly."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ try:
     import numpy as np
 except ImportError:  # numpy is optional for torch; without it there is no NumPy generator to save
     np = None
+
+
+def exact_resume_point(trainer: Trainer) -> bool:
+    """Whether a checkpoint written at the end of the training batch that just ended continues exactly.
+
+    Not between micro-batches (checkpoints hold no accumulated gradients), not at an epoch's last batch and not right
+    before a validation: Lightning resumes from those by skipping the validation or the epoch's end. A stop or a
+    periodic save there waits for the epoch's end or the next batch's end, from which Lightning resumes exactly.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    return not (
+        loop.batch_progress.is_last_batch or internals.accumulating(trainer) or internals.validation_follows(trainer)
+    )
 
 
 class RNGStateCheckpoint(Callback):

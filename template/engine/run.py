@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
 
 from template.engine import checkpoints
 from template.engine.atomic import atomic_write, prove_writable, undone_on_failure
 from template.engine.errors import ConfigError, disk_errors
+from template.engine.resume import exact_resume_point
 
 LOGS = "lightning_logs"
 # Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
@@ -110,16 +111,35 @@ def continue_run(config: Any) -> Run:
     return Run(name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, preemption=preemption)
 
 
-def periodic_checkpoint(run: Run | None) -> list[ModelCheckpoint]:
-    """A ModelCheckpoint rewriting ``last-step.ckpt`` every ``run.save_every_n_steps`` steps; none when unset."""
+class PeriodicCheckpoint(Callback):
+    """Rewrites ``checkpoints/last-step.ckpt`` every ``every`` training steps, for restarts after a SIGKILL.
+
+    It is written at the first batch end from which a resume is exact (``resume.exact_resume_point``), at most a
+    validation later than the step it is due: never between micro-batches, at an epoch's last batch or right before
+    a validation. ``ModelCheckpoint(every_n_train_steps=...)`` would write at those too.
+    """
+
+    FILENAME = "last-step.ckpt"
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._due = every
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._due = (trainer.global_step // self.every + 1) * self.every
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step >= self._due and exact_resume_point(trainer):
+            trainer.save_checkpoint(Path(checkpoints.directory(trainer)) / self.FILENAME)
+            self._due = (trainer.global_step // self.every + 1) * self.every
+
+
+def periodic_checkpoint(run: Run | None) -> list[PeriodicCheckpoint]:
+    """The periodic save of ``run.save_every_n_steps``; none when unset."""
     every = run.save_every_n_steps if run is not None else None
-    if every is None:
-        return []
-    return [
-        ModelCheckpoint(
-            filename="last-step", every_n_train_steps=every, save_top_k=1, monitor=None, enable_version_counter=False
-        )
-    ]
+    return [] if every is None else [PeriodicCheckpoint(every)]
 
 
 class RunConfigCallback(SaveConfigCallback):
