@@ -260,10 +260,11 @@ def callbacks(
         added.append(TQDMProgressBar(refresh_rate=10))
     if subcommand == "fit":
         monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
-        added += [*([MonitorCheck(monitors)] if monitors else []), *([Preemption()] if run.preemption else [])]
-        # After Preemption: provenance records the signal it stopped on.
-        added += [Provenance(), TrackerRuns(), *(ema_callbacks(**vars(ema)) if ema is not None else [])]
-        added += periodic_checkpoint(run)
+        added += [*([MonitorCheck(monitors)] if monitors else []), TrackerRuns()]
+        added += ema_callbacks(**vars(ema)) if ema is not None else []
+        # After the callbacks that change the training state at a batch's end (the average of the weights, the
+        # user's): the checkpoints written there hold this batch's changes. Provenance records the signal it stopped on.
+        added += [*([Preemption()] if run.preemption else []), Provenance(), *periodic_checkpoint(run)]
     if not added:
         return {}
     return {"callbacks": [*(configured if isinstance(configured, list) else [configured]), *added]}
