@@ -52,6 +52,8 @@ from template.engine.run import (
     continue_run,
     discard_unstarted,
     release,
+    run_dir,
+    run_folder_arguments,
     run_name,
 )
 from template.engine.scaling import BatchScaling
@@ -229,6 +231,7 @@ class CLI(LightningCLI):
             **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
             **wiring.callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema")),
+            **run_folder_arguments(run, trainer_config, built.get("checkpoint")),
             **kwargs,
         }
         rank_zero_info(wiring.announce(config, subcommand))
@@ -313,12 +316,13 @@ def settle(config: Any, subcommand: str | None) -> None:
 
 def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
     """Create the run's folder, prove it writable and lock it for this process, before anything is written there."""
-    if not trainer.loggers or trainer.log_dir is None:
-        # Without a logger there is no run folder of its own, only the root that checkpoints go to.
+    name = run_name(config.get("run.name")) if subcommand == "fit" else None
+    if name is None and (not trainer.loggers or trainer.log_dir is None):
+        # Without a name or a logger there is no run folder of its own, only the root that checkpoints go to.
         prove_writable(config.get("trainer.default_root_dir") or ".", "--trainer.default_root_dir")
         return
-    name = run_name(config.get("run.name")) if subcommand == "fit" else None
-    folder = claim(trainer.log_dir, name, option="--trainer.default_root_dir")
+    directory = run_dir(config.get("trainer.default_root_dir"), name) if name else trainer.log_dir
+    folder = claim(directory, name, option="--trainer.default_root_dir")
     if folder is not None:
         folder.trainer = trainer
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
@@ -134,6 +135,20 @@ class PeriodicCheckpoint(Callback):
         if trainer.global_step >= self._due and exact_resume_point(trainer):
             trainer.save_checkpoint(Path(checkpoints.directory(trainer)) / self.FILENAME)
             self._due = (trainer.global_step // self.every + 1) * self.every
+
+
+def run_folder_arguments(run: Run, trainer_config: dict[str, Any], checkpoint: Any) -> dict[str, Any]:
+    """Keep a named run's checkpoints in its own folder whatever the loggers, so that the same command finds them.
+
+    Lightning puts checkpoints in the first logger's version folder, or in ``default_root_dir`` without a logger. With
+    ``logger: false`` the run's folder becomes the Trainer's ``default_root_dir`` (config.yaml and provenance.json go
+    there too); with a logger of the user's own the checkpoint folder is set. ``checkpoint.dirpath`` stays the user's.
+    """
+    if run.directory is None:
+        return {}
+    if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:
+        checkpoint.dirpath = str(run.directory / "checkpoints")
+    return {"default_root_dir": str(run.directory)} if trainer_config.get("logger") is False else {}
 
 
 def periodic_checkpoint(run: Run | None) -> list[PeriodicCheckpoint]:
