@@ -54,10 +54,16 @@ class Fault(Callback):
         self.once_file = Path(once_file)
         self._validations = 0
         self._checkpoints = 0
+        self._quiet = False
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Decided once per start: under DDP one rank's file must not silence the other ranks' fault.
+        self._quiet = self.once_file.exists()
 
     def _fire(self, trainer: Trainer) -> None:
-        if trainer.global_rank not in self.ranks or self.once_file.exists():
+        if self._quiet or trainer.global_rank not in self.ranks:
             return
+        self._quiet = True
         if trainer.global_rank == min(self.ranks):
             self.once_file.write_text(f"{self.moment} step {trainer.global_step}\n")
         os.kill(os.getpid(), self.signum)

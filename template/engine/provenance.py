@@ -127,6 +127,11 @@ class Provenance(Callback):
             return
         self._path = Path(log_dir) / FILENAME
         entries = self._read()
+        for entry in entries:
+            if entry.get("status") == "running":
+                # The run's folder is locked for one process at a time: an earlier start that wrote no end was
+                # killed (SIGKILL, the OOM killer, a lost node).
+                entry["status"] = "killed"
         git = git_state(Path(__file__).resolve().parent)
         diff = git.pop("diff", "")
         if git.get("commit") and diff:
