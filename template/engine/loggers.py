@@ -11,9 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from typing_extensions import override
 
 from template.engine import internals
 from template.engine.atomic import atomic_write, undone_on_failure
@@ -51,6 +53,11 @@ class _TimedSave:
         self._last_save = now
         self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
 
+    def save_now(self) -> None:
+        """Write what is buffered now: a checkpoint is about to be written (``LogsBeforeCheckpoints``)."""
+        self._last_save = float("-inf")
+        self.save()
+
     def finalize(self, status: str) -> None:
         self._last_save = float("-inf")  # the end of a run always reaches the disk
         try:
@@ -79,6 +86,23 @@ class _TimedSave:
         if rank_zero_only.rank != 0:
             return
         self._write(lambda: super(_TimedSave, self).log_hyperparams(*args, **kwargs))  # type: ignore[misc]
+
+
+class LogsBeforeCheckpoints(Callback):
+    """Writes the loggers' buffered values before each checkpoint is written.
+
+    A run killed later (SIGKILL, the OOM killer) resumes from its newest checkpoint: every step before it must be on
+    disk already, which the timed saves alone do not promise. Steps logged after it are logged again on resume, and
+    the loggers drop the earlier copies (``resume``).
+    """
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, _TimedSave):
+                logger.save_now()
+            else:
+                logger.save()
 
 
 class CSVLogger(_TimedSave, _CSVLogger):
@@ -119,7 +143,7 @@ class CSVLogger(_TimedSave, _CSVLogger):
             self._resume = False
             self._write(self.experiment.save)
             with self._disk_errors("the logs up to the last save are kept"):
-                _drop_rows_from(Path(self.log_dir) / METRICS, step)
+                _drop_rows_from(Path(self.log_dir) / METRICS, step, set(metrics) - {"epoch", "step"})
         super().log_metrics(metrics, step)
 
 
@@ -130,11 +154,14 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
     on (what ``SummaryWriter(purge_step=...)`` writes), and no second ``hp_metric`` is logged at step 0.
     """
 
-    def __init__(self, *args: Any, resume: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, resume: bool = False, resume_step: int | None = None, **kwargs: Any) -> None:
         if resume:
             kwargs["default_hp_metric"] = False
         super().__init__(*args, **kwargs)
         self._resume = resume
+        # The checkpoint's step: events from it on come after the checkpoint. A run resumed after its last step logs
+        # the epoch's values one step earlier, which must not hide that step's own.
+        self._resume_step = resume_step
 
     @property
     def experiment(self) -> Any:
@@ -159,8 +186,9 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
             writer = self.experiment.file_writer  # SummaryWriter opens its event file when it is built
-            writer.add_event(Event(step=step, file_version="brain.Event:2"))
-            writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+            purge = step if self._resume_step is None else self._resume_step
+            writer.add_event(Event(step=purge, file_version="brain.Event:2"))
+            writer.add_event(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
         super().log_metrics(metrics, step)
 
 
@@ -214,15 +242,23 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
     return [{k: v for k, v in row.items() if v not in ("", None)} for row in rows]
 
 
-def _drop_rows_from(path: Path, step: int) -> None:
-    """Rewrite ``path`` (atomically) without its rows of ``step`` and later."""
+def _drop_rows_from(path: Path, step: int, keys: set[str]) -> None:
+    """Rewrite ``path`` (atomically) without its rows after ``step``, nor those of ``step`` holding any of ``keys``.
+
+    ``step`` and ``keys`` are what the resumed run logs first. At that step, only the values it logs again go: a run
+    resumed after its epoch's last step logs the epoch's values at that step, not the step's own.
+    """
     if not path.is_file():
         return
     try:
         rows = read_metrics(path)
     except DamagedMetrics:
         return  # read when the run resumed; a file changed since is not this run's to rewrite
-    kept = [row for row in rows if float(row["step"]) < step]
+    kept = [
+        row
+        for row in rows
+        if float(row["step"]) < step or (float(row["step"]) == step and not any(row.get(k) for k in keys))
+    ]
     if len(kept) == len(rows):
         return
     header = list(rows[0])  # read_metrics checked that every row has exactly the header's cells
@@ -234,13 +270,18 @@ def _drop_rows_from(path: Path, step: int) -> None:
     atomic_write(path, lambda f: f.write(text.getvalue().encode()))
 
 
-def default_loggers(root: str | None, version: str | None = None, resume: bool = False) -> list:
+def default_loggers(
+    root: str | None, version: str | None = None, resume: bool = False, resume_step: int | None = None
+) -> list:
     """CSV and TensorBoard logs side by side in one version folder under ``root`` (``default_root_dir``).
 
-    ``version`` names the folder (a run's name) instead of the next ``version_N``; ``resume`` continues its logs.
+    ``version`` names the folder (a run's name) instead of the next ``version_N``; ``resume`` continues its logs,
+    from the checkpoint's ``resume_step`` when known.
     """
     root = root or "."
     csv_logger = CSVLogger(save_dir=root, name="lightning_logs", version=version, resume=resume)
     # CSV first: it is the logger whose folder Lightning uses for config.yaml and checkpoints.
-    tensorboard = TensorBoardLogger(save_dir=root, name="lightning_logs", version=csv_logger.version, resume=resume)
+    tensorboard = TensorBoardLogger(
+        save_dir=root, name="lightning_logs", version=csv_logger.version, resume=resume, resume_step=resume_step
+    )
     return [csv_logger, tensorboard]

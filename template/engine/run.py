@@ -82,6 +82,7 @@ class Run:
     resume: bool
     save_every_n_steps: int | None = None
     preemption: bool = True
+    resume_step: int | None = None  # the global step of the checkpoint the run continues from
 
     def describe(self) -> str | None:
         """The line saying which run this is and where it starts; None for an unnamed run."""
@@ -107,9 +108,13 @@ def continue_run(config: Any) -> Run:
     if ckpt_path is None:
         dirpath = config.get("checkpoint.dirpath")
         ckpt_path = checkpoints.newest([directory / "checkpoints", *([Path(dirpath)] if dirpath else [])])
-        if ckpt_path is not None:
-            checkpoints.check(ckpt_path, option=f"the run's folder {directory}")
-    return Run(name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, preemption=preemption)
+    step = None
+    if ckpt_path is not None and ckpt_path not in checkpoints.SPECIAL_PATHS:
+        step = checkpoints.check(ckpt_path, option=f"the run's folder {directory}").get("global_step")
+    return Run(
+        name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, preemption=preemption,
+        resume_step=step if isinstance(step, int) else None,
+    )  # fmt: skip
 
 
 class PeriodicCheckpoint(Callback):

@@ -19,7 +19,7 @@ from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.ema import ema_callbacks
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
 from template.engine.gpus import apply_matmul_precision, resolve_free_devices
-from template.engine.loggers import default_loggers
+from template.engine.loggers import LogsBeforeCheckpoints, default_loggers
 from template.engine.preemption import Preemption
 from template.engine.provenance import Provenance
 from template.engine.run import Run, periodic_checkpoint
@@ -67,7 +67,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     ),
     Mechanism(
         "loggers",
-        "CSV and TensorBoard, written every 5 s and at the end, plus trackers",
+        "CSV and TensorBoard, written every 5 s, before each checkpoint and at the end, plus trackers",
         "--trainer.logger=false, or your own logger",
         lambda c, s: _trainer(c, "logger", True) is True,
     ),
@@ -233,7 +233,7 @@ def loggers(
     if logger in (None, True):
         # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
         root = trainer_config.get("default_root_dir")
-        return {"logger": [*default_loggers(root, run.name, run.resume), *trackers]}
+        return {"logger": [*default_loggers(root, run.name, run.resume, run.resume_step), *trackers]}
     if not trackers:
         return {}
     if logger is False:
@@ -260,7 +260,7 @@ def callbacks(
         added.append(TQDMProgressBar(refresh_rate=10))
     if subcommand == "fit":
         monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
-        added += [*([MonitorCheck(monitors)] if monitors else []), TrackerRuns()]
+        added += [*([MonitorCheck(monitors)] if monitors else []), TrackerRuns(), LogsBeforeCheckpoints()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
         # After the callbacks that change the training state at a batch's end (the average of the weights, the
         # user's): the checkpoints written there hold this batch's changes. Provenance records the signal it stopped on.
