@@ -136,48 +136,26 @@ def test_stop_as_on_sigterm_ends_the_run_with_sigterm_exception() -> None:
     assert trainer.global_step == 2 and trainer.received_sigterm
 
 
-def test_a_checkpoint_from_a_validation_batch_end_resumes_by_validating_again(tmp_path) -> None:  # noqa: ANN001
-    """``loops.fit_loop["epoch_loop.val_loop.batch_progress"]`` rewound: Lightning runs the whole validation again
-    (without it, it skips what was left of the validation)."""
-    path = str(tmp_path / "interrupted.ckpt")
+def test_accumulating_and_validation_follows_are_what_lightning_does_after_the_batch() -> None:
+    """``_should_accumulate()`` and ``_should_check_val_fx(fetcher)`` read at a batch's end: whether the optimizer
+    skipped this batch, and whether a validation runs before the next one (where a stop must not write a checkpoint)."""
+    seen: list[tuple[int, bool, bool]] = []
+    validated_after: list[int] = []
 
-    class SaveInValidation(Callback):
-        def __init__(self, rewind: bool) -> None:
-            self.rewind, self.saving = rewind, False
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            seen.append((batch_idx, internals.accumulating(trainer), internals.validation_follows(trainer)))
 
-        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            if batch_idx == 1 and not trainer.sanity_checking:
-                self.saving = True
-                trainer.save_checkpoint(path)
-                self.saving = False
-                raise SIGTERMException
+        def on_validation_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            validated_after.append(seen[-1][0])
 
-        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # noqa: ANN001
-            if self.saving and self.rewind:
-                internals.resume_validation_from_its_start(checkpoint, sanity_check=False)
-
-    class CountValidation(Callback):
-        batches = 0
-
-        def on_validation_batch_end(self, *args) -> None:  # noqa: ANN002
-            self.batches += 1
-
-    options = {"max_steps": -1, "max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 3}
-    validated = []
-    for rewind in (True, False):
-        with pytest.raises(SIGTERMException):
-            _trainer(**options, num_sanity_val_steps=0, callbacks=[SaveInValidation(rewind)]).fit(BoringModel())
-        count = CountValidation()
-        resumed = _trainer(**options, callbacks=[count])
-        resumed.fit(BoringModel(), ckpt_path=path)
-        assert resumed.global_step == 2
-        validated.append(count.batches)
-    assert validated == [3, 0]  # all three batches again; Lightning's own: none
-
-    checkpoint = torch.load(path, weights_only=True)
-    internals.resume_validation_from_its_start(checkpoint, sanity_check=True)
-    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
-    assert set(progress["total"].values()) == {0} and set(progress["current"].values()) == {0}
+    options = {"max_steps": -1, "max_epochs": 1, "limit_train_batches": 6, "limit_val_batches": 1}
+    trainer = _trainer(
+        **options, val_check_interval=0.5, accumulate_grad_batches=2, num_sanity_val_steps=0, callbacks=[Record()]
+    )
+    trainer.fit(BoringModel())
+    assert [accumulating for _, accumulating, _ in seen] == [True, False, True, False, True, False]
+    assert [i for i, _, follows in seen if follows] == validated_after == [2, 5]
 
 
 def test_layer_sync_follows_sync_batchnorm() -> None:

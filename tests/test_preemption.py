@@ -274,18 +274,22 @@ def _continue(command: list[str], tmp_path: Path, run: str) -> dict:
     return _weights(tmp_path / "lightning_logs" / run / "checkpoints" / "last.ckpt")
 
 
-def test_sigterm_during_the_sanity_check_writes_a_checkpoint_and_exits_143(tmp_path: Path) -> None:
+def test_sigterm_during_the_sanity_check_exits_143_without_a_checkpoint(tmp_path: Path) -> None:
+    # Nothing is trained yet: the same command starts again from the run's newest checkpoint (none on a first start).
     marker = _marker(tmp_path, val_delay=1.0)
     command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=sanity"]
     proc = _start(command, tmp_path, _env(tmp_path))
     _wait_for_mark(tmp_path / "steps.txt", "sanity", proc)
     code, seconds = _signal_and_finish(proc, signal.SIGTERM)
-    checkpoint = _check_stopped(tmp_path, "sanity", signal.SIGTERM, code)
-    assert checkpoint["global_step"] == 0 and not _steps(tmp_path / "steps.txt")  # no step trained
+    output = (tmp_path / "run.log").read_text()
+    assert code == 128 + signal.SIGTERM, output[-4000:]
+    assert "Stopping on SIGTERM in the sanity check" in output and "nothing trained yet" in output
+    assert "Traceback" not in output and not _steps(tmp_path / "steps.txt")  # no step trained
+    assert not list((tmp_path / "lightning_logs" / "sanity").glob("checkpoints/*.ckpt"))
     print(f"\nSIGTERM in the sanity check: exit {code} {seconds:.2f} s after the signal")
 
 
-def test_sigterm_during_validation_stops_there_and_the_same_command_finishes(tmp_path: Path) -> None:
+def test_sigterm_during_validation_finishes_it_stops_and_the_same_command_finishes(tmp_path: Path) -> None:
     marker = _marker(tmp_path, val_delay=0.5)
     command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", marker, "--run.name=val"]
     proc = _start(command, tmp_path, _env(tmp_path))
