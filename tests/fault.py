@@ -23,6 +23,7 @@ MOMENTS = (
     "checkpoint",  # while the `nth` checkpoint of the run is being assembled (before its file is written)
     "train_end",  # after the last step
     "teardown",  # while fit tears down
+    "test_after_fit",  # while the best checkpoint is tested after fit (--test_after_fit=true): the run has ended
 )
 
 
@@ -100,6 +101,10 @@ class Fault(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.moment == "teardown" and stage == "fit":
+            self._fire(trainer)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.moment == "test_after_fit":
             self._fire(trainer)
 
 

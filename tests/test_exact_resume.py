@@ -46,8 +46,11 @@ CONFIGURATIONS: dict[str, list[str]] = {
     "cadence-off": ["--log_cadence.enabled=false"],
     "periodic": ["--run.save_every_n_steps=3"],
     "scaling": ["--scaling.lr_scaling=linear", "--scaling.global_batch_size=64"],
+    "test-after-fit": ["--test_after_fit=true"],
     "ddp": [],
+    "dp": ["--trainer.accelerator=gpu"],  # configs/dp.yaml: one process, each batch split over GPUs 0 and 1
 }
+CONFIG_FILES = {"ddp": "ddp_cpu.yaml", "dp": "dp.yaml"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def _every_moment(configuration: str, signal_name: str) -> list[Cell]:
     cells += [Cell(configuration, "epoch_end", signal_name, epoch=e) for e in (0, 1)]
     cells += [Cell(configuration, "checkpoint", signal_name, nth=n) for n in (0, 1, 2)]
     cells += [Cell(configuration, "train_end", signal_name), Cell(configuration, "teardown", signal_name)]
-    return cells
+    return [*cells, Cell("test-after-fit", "test_after_fit", signal_name)]
 
 
 def _kinds_of_moment(configuration: str, signal_name: str, **extra: Any) -> list[Cell]:
@@ -119,7 +122,12 @@ SLOW = [
     *_kinds_of_moment("single", "SIGUSR1"),
     *_kinds_of_moment("single", "SIGUSR1", slurm=True),
     *_kinds_of_moment("single", "SIGKILL"),
-    *[cell for name in CONFIGURATIONS if name not in ("single", "ddp") for cell in _configuration_cells(name)],
+    *[
+        cell
+        for name in CONFIGURATIONS
+        if name not in ("single", "ddp", "test-after-fit")
+        for cell in _configuration_cells(name)
+    ],
     Cell("periodic", "train_batch", "SIGKILL", 0, 7),
     Cell("periodic", "checkpoint", "SIGKILL", nth=2),
     *[Cell("ddp", "train_batch", "SIGTERM", 0, 2, ranks=r) for r in ((0,), (1,), (0, 1))],
@@ -149,7 +157,7 @@ def _free_port() -> int:
 
 
 def _command(configuration: str) -> list[str]:
-    config = CONFIGS / ("ddp_cpu.yaml" if configuration == "ddp" else "default.yaml")
+    config = CONFIGS / CONFIG_FILES.get(configuration, "default.yaml")
     return [sys.executable, "-m", PACKAGE, "fit", "--config", str(config), *BASE, *CONFIGURATIONS[configuration]]
 
 
@@ -281,7 +289,8 @@ def _check_provenance(work: Path, cell: Cell, stopped: bool) -> None:
     if not starts:
         return
     # A signal in teardown comes after training finished, and the start has recorded so.
-    expected = {"SIGKILL": "killed"}.get(cell.signal, "finished" if cell.moment == "teardown" else "interrupted")
+    after = cell.moment in ("teardown", "test_after_fit")
+    expected = {"SIGKILL": "killed"}.get(cell.signal, "finished" if after else "interrupted")
     assert [s["status"] for s in starts] == ([expected, "finished"] if stopped else ["finished"]), starts
     if stopped and expected == "interrupted":
         assert starts[0]["signal"] == cell.signal
@@ -299,6 +308,8 @@ def _check_nothing_outside_the_run(work: Path, cell: Cell) -> None:
 
 
 def _run_cell(cell: Cell, work: Path, uninterrupted: Any) -> None:
+    if cell.configuration == "dp" and torch.cuda.device_count() < 2:
+        pytest.skip("strategy dp needs 2 CUDA GPUs (configs/dp.yaml lists devices [0, 1])")
     reference = uninterrupted(cell.configuration)
     ranks = ", ".join(map(str, cell.ranks))
     (work / "fault.yaml").write_text(
@@ -321,7 +332,9 @@ def _run_cell(cell: Cell, work: Path, uninterrupted: Any) -> None:
         assert first == 128 + signum, f"exit code {first}, expected {128 + signum}:\n{output[-3000:]}"
         assert f"Stopping on {cell.signal}" in output, output[-3000:]
         assert "Traceback" not in output, output[-4000:]
-        if cell.moment != "teardown":  # after training ended nothing is left to continue
+        if cell.moment == "test_after_fit":
+            assert "after the run ended: its files are written" in output, output[-3000:]
+        elif cell.moment != "teardown":  # after training ended nothing is left to continue
             then = "the job is requeued" if cell.slurm else "run the same command to continue"
             assert then in output, output[-3000:]
     if cell.slurm:

@@ -43,6 +43,7 @@ from template.engine.errors import (
 from template.engine.final_test import evaluate_best
 from template.engine.gpus import add_gpu_arguments
 from template.engine.predictions import PredictionWriter
+from template.engine.preemption import restore_signal_handlers
 from template.engine.resume import RNGStateCheckpoint
 from template.engine.run import (
     Run,
@@ -482,6 +483,10 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(code)
     finally:
         release()
+        if args is not None:
+            # Called from Python, which goes on. Run as the program (argv), the process ends with the command: the
+            # run's handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.
+            restore_signal_handlers()
 
 
 def _verdict(err: Exception) -> tuple[int | None, str]:

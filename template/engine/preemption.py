@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ from template.engine.internals import cluster_environment, stop_as_on_sigterm
 from template.engine.resume import exact_resume_point
 
 INTERRUPTED = "interrupted.ckpt"
+# The handlers in place before a run installed its own, restored when the command ends.
+_BEFORE_THE_RUN: dict[int, Any] = {}
 _REQUEUE_TIMEOUT = 60  # seconds; scontrol answers in well under a second on a healthy controller
 
 
@@ -48,7 +51,6 @@ class Preemption(Callback):
         self._stopping: tuple[int, str, bool] | None = None
         self.signalled_at: float | None = None
         self._active = False  # between setup and the end of fit: the handlers record; outside it they pass signals on
-        self._original: dict[int, Any] = {}
 
     def _signals(self, trainer: Trainer) -> list[int]:
         return [signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT]
@@ -63,7 +65,7 @@ class Preemption(Callback):
             previous = signal.getsignal(signum)
             if signum == signal.SIGINT and previous is signal.SIG_IGN:
                 continue  # started with Ctrl-C ignored (nohup, a background job): keep it so
-            self._original.setdefault(signum, previous)
+            _BEFORE_THE_RUN.setdefault(signum, previous)
             signal.signal(signum, self._record)
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -84,11 +86,11 @@ class Preemption(Callback):
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if not self._active:
-            _pass_on(signum, frame, self._original.get(signum, signal.SIG_DFL))
+            _after_the_run(signum, frame, _BEFORE_THE_RUN.get(signum, signal.SIG_DFL))
             return
         if signum == signal.SIGINT and self._received is not None:
             # A second Ctrl-C: stop now, through Lightning's KeyboardInterrupt shutdown (which kills child ranks).
-            signal.signal(signal.SIGINT, self._original.get(signal.SIGINT, signal.default_int_handler))
+            signal.signal(signal.SIGINT, _BEFORE_THE_RUN.get(signal.SIGINT, signal.default_int_handler))
             raise KeyboardInterrupt
         if self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
@@ -132,15 +134,10 @@ class Preemption(Callback):
         self._end()
 
     def _end(self) -> None:
-        """The run is over: signals go where they went before it (Lightning reinstalls our handler at its teardown,
-        which then passes them on)."""
-        if not self._active:
-            return
+        """The run is over. Until the command ends (``restore_signal_handlers``) a signal ends the process at once,
+        with a line and exit code 128 + the signal: the run's files are written. Lightning reinstalls this handler
+        at its teardown."""
         self._active = False
-        if threading.current_thread() is threading.main_thread():
-            for signum, handler in self._original.items():
-                if handler is not None:
-                    signal.signal(signum, handler)
 
     def _stop_if_signalled(self, trainer: Trainer, raise_now: bool, save: bool = True) -> None:
         if self._stopping is not None:
@@ -193,13 +190,28 @@ class Preemption(Callback):
         return int(code.item()) or None
 
 
-def _pass_on(signum: int, frame: FrameType | None, handler: Any) -> None:
-    """Handle a signal as the handler in place before the run would."""
-    if callable(handler):
-        handler(signum, frame)
-    elif handler in (signal.SIG_DFL, None):
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+def _after_the_run(signum: int, frame: FrameType | None, before: Any) -> None:
+    """A signal after fit ended: a handler of the caller's own (a notebook, a framework) decides; otherwise the process
+    ends now, as the signal's default would, but with a line and exit code 128 + the signal instead of no word."""
+    if before is signal.SIG_IGN:
+        return
+    if callable(before) and before is not signal.default_int_handler:
+        before(signum, frame)
+        return
+    rank_zero_info(f"Stopping on {signal.Signals(signum).name} after the run ended: its files are written")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)  # what the default action does, without the interpreter's clean-up
+
+
+def restore_signal_handlers() -> None:
+    """The command has ended: signals go where they went before its run (for callers that go on, such as tests)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    while _BEFORE_THE_RUN:
+        signum, handler = _BEFORE_THE_RUN.popitem()
+        if handler is not None:
+            signal.signal(signum, handler)
 
 
 def _started_by_lightnings_launcher(trainer: Trainer) -> bool:
