@@ -50,7 +50,7 @@ class Preemption(Callback):
         self._received: int | None = None
         self._stopping: tuple[int, str, bool] | None = None
         self.signalled_at: float | None = None
-        self._active = False  # between setup and the end of fit: the handlers record; outside it they pass signals on
+        self._active = False  # between setup and the end of fit the handlers record; after it they end the process
 
     def _signals(self, trainer: Trainer) -> list[int]:
         return [signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT]
@@ -148,10 +148,7 @@ class Preemption(Callback):
         path = ""
         if save:
             path = str(Path(checkpoints.directory(trainer)) / INTERRUPTED)
-            trainer.save_checkpoint(path)
-            # Lightning's loggers buffer; what was logged up to this step reaches the disk now.
-            for logger in trainer.loggers:
-                logger.save()
+            trainer.save_checkpoint(path)  # the logs up to this step are written first (LogsBeforeCheckpoints)
         requeued = signum == _requeue_signal(trainer) and _auto_requeue(trainer) and _requeue(trainer)
         self._stopping = (signum, path, requeued)
         # A stop before any training step (the sanity check) needs no checkpoint: the run's newest one (none on a

@@ -91,7 +91,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     ),
     Mechanism(
         "preemption",
-        "SIGTERM/SIGUSR1/Ctrl-C save interrupted.ckpt, exit 128+signal (and requeue on SLURM)",
+        "SIGTERM/SIGUSR1/Ctrl-C save interrupted.ckpt where a resume is exact, exit 128+signal (and requeue on SLURM)",
         "--run.preemption=false",
         lambda c, s: s == "fit" and c.get("run.preemption") is not False,
     ),
