@@ -45,7 +45,7 @@ CONFIGURATIONS: dict[str, list[str]] = {
     "workers": ["--data.num_workers=2"],
     "cadence-off": ["--log_cadence.enabled=false"],
     "periodic": ["--run.save_every_n_steps=3"],
-    "scaling": ["--scaling.lr_scaling=linear", "--scaling.global_batch_size=64"],
+    "scaling": ["--scaling.global_batch_size=32", "--scaling.lr_scaling=linear", "--scaling.reference_batch_size=64"],
     "test-after-fit": ["--test_after_fit=true"],
     "ddp": [],
     "dp": ["--trainer.accelerator=gpu"],  # configs/dp.yaml: one process, each batch split over GPUs 0 and 1
