@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -69,6 +70,17 @@ def _nothing_written_into_the_project():  # noqa: ANN202
     assert not new, f"the tests wrote into the project {REPO}: {', '.join(new[:10])}" + (
         f" and {len(new) - 10} more" if len(new) > 10 else ""
     )
+
+
+def finish(proc: subprocess.Popen, timeout: float, what: str = "the run") -> int:
+    """``proc``'s exit code; if it has not ended within ``timeout`` s, its whole process group is killed and the test
+    fails (children started with ``start_new_session=True``)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        pytest.fail(f"{what} did not end within {timeout} s")
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONFIGS, PACKAGE, REPO, cli_env
+from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
 
 WAIT = 240  # seconds for one start of a run; a healthy single-process start takes 5-10 s here, DDP 15-25 s
 STEPS = 16
@@ -186,12 +186,7 @@ def _start(command: list[str], work: Path, env: dict[str, str]) -> int:
             command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
-        try:
-            return proc.wait(timeout=WAIT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-            pytest.fail(f"the run did not end within {WAIT} s:\n{(work / 'run.log').read_text()[-4000:]}")
+        return finish(proc, WAIT)
 
 
 @pytest.fixture(scope="module")

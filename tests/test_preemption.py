@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, PACKAGE, REPO, cli_env
+from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
 
 pytestmark = pytest.mark.slow  # signals and restarts of running jobs, DDP and torchrun included
 
@@ -72,12 +72,7 @@ def _start(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Pop
 
 
 def _finish(proc: subprocess.Popen, timeout: float = WAIT) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        pytest.fail(f"the run did not end within {timeout} s")
+    return finish(proc, timeout)
 
 
 def _weights(path: Path) -> dict:

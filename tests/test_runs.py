@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, PACKAGE, REPO, cli_env
+from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
 
 WAIT = 180  # seconds for any one child; a short run here takes 10-30 s on a busy machine
 SHORT = [
@@ -32,12 +32,7 @@ def _fit(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
 
 
 def _wait(proc: subprocess.Popen) -> int:
-    try:
-        return proc.wait(timeout=WAIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        pytest.fail(f"a run did not end within {WAIT} s")
+    return finish(proc, WAIT, "a run")
 
 
 @pytest.fixture(scope="module")
