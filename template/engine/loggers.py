@@ -54,9 +54,12 @@ class _TimedSave:
         self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
 
     def save_now(self) -> None:
-        """Write what is buffered now: a checkpoint is about to be written (``LogsBeforeCheckpoints``)."""
+        """Write what is buffered now, and again at the next save: a checkpoint is about to be written
+        (``LogsBeforeCheckpoints``), and a checkpoint at a batch's end comes before Lightning logs that step's values
+        (and calls ``save()``)."""
         self._last_save = float("-inf")
         self.save()
+        self._last_save = float("-inf")
 
     def finalize(self, status: str) -> None:
         self._last_save = float("-inf")  # the end of a run always reaches the disk
