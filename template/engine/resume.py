@@ -96,19 +96,31 @@ class RNGStateCheckpoint(Callback):
             if trainer.fit_loop.restarted_mid_epoch:
                 # Lightning put the loader back at its place in the epoch, sampler generator included.
                 self._pending_samplers = None
-        self._restored = None
+        restored, self._restored = self._restored, None
+        rebuild = False
         if self._pending_samplers is not None:
             generators = _sampler_generators(loaders)
-            restored = False
             for generator, saved in zip(generators, self._pending_samplers, strict=False):
                 if generator is not None and saved is not None:
                     generator.set_state(saved)
-                    restored = True
+                    rebuild = True
             self._pending_samplers = None
-            if restored:
-                # Lightning built the epoch's iterator before this hook, drawing from the generator's old state;
-                # a new one draws from the restored state, as the uninterrupted run did.
-                iter(internals.fit_data_fetcher(trainer))
+        if trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end:
+            # Restarted at an epoch's end, Lightning builds the next epoch's iterator before it sets the samplers'
+            # epoch, and not again (a DistributedSampler replays epoch 0's order): set it, and build anew below, from
+            # the random states the uninterrupted run had when it built that iterator (the checkpoint's).
+            epoch = trainer.fit_loop.epoch_progress.current.processed
+            for loader in loaders:
+                for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+                    if callable(getattr(sampler, "set_epoch", None)):
+                        sampler.set_epoch(epoch)
+            if restored is not None:
+                _restore(restored)
+            rebuild = True
+        if rebuild:
+            # Lightning built the epoch's iterator before this hook, from the generators' old states or for the wrong
+            # epoch; a new one draws from the restored states, as the uninterrupted run did.
+            iter(internals.fit_data_fetcher(trainer))
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not stateful:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
