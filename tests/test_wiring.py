@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from template.engine import wiring
 from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.ema import EMA, EMAOptions
+from template.engine.loggers import LogsBeforeCheckpoints
 from template.engine.preemption import Preemption
 from template.engine.provenance import Provenance
 from template.engine.run import Run
@@ -75,12 +76,13 @@ def test_pieces_follow_their_switches() -> None:
     run = Run(None, None, None, resume=False)
     added = wiring.callbacks({}, "fit", run, "val_acc")["callbacks"]
     kinds = [type(c) for c in added]
-    assert kinds == [TQDMProgressBar, wiring.MonitorCheck, Preemption, Provenance, TrackerRuns]
+    assert kinds == [TQDMProgressBar, wiring.MonitorCheck, TrackerRuns, LogsBeforeCheckpoints, Preemption, Provenance]
     quiet = Run(None, None, None, resume=False, preemption=False)
     kinds = [type(c) for c in wiring.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
-    assert kinds == [Provenance, TrackerRuns]  # they only write files in the run's folder
-    averaged = wiring.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]
-    assert [type(c) for c in averaged][-1] is EMA
+    assert kinds == [TrackerRuns, LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder
+    averaged = [type(c) for c in wiring.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]]
+    # A stop's checkpoint at a batch's end holds that batch's update of the average.
+    assert averaged.index(EMA) < averaged.index(Preemption)
     assert wiring.callbacks({"enable_progress_bar": False}, "validate", run, "val_acc") == {}
     assert isinstance(wiring.plugins({})["plugins"][0], AtomicCheckpointIO)
     assert wiring.plugins({"plugins": []}) == {}
