@@ -296,3 +296,105 @@ def test_trials_at_once_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> N
         slot_gpus({"devices": 2}, ["h.0", "h.1", "h.2"], environ={})
     with pytest.raises(ConfigError, match="takes every GPU"):
         slot_gpus({"devices": "auto"}, ["h.0", "h.1"], environ={})
+
+
+# -- proposals: a function of the seed and the trial number; never another trial's values ----------------------------
+SPACE = {
+    "lr": {"type": "float", "low": 1.0e-4, "high": 0.1, "log": True},
+    "batch": {"type": "categorical", "choices": [32, 64, 128]},
+}
+
+
+def _worker(storage, space: dict, sampler: str = "tpe", seed: int = 0, n_trials: int = 6) -> tuple:
+    """A study as a sweep process opens it, and its space (the sweep's own code, no fit processes)."""
+    from template.engine.sweep.options import Sweep, check
+    from template.engine.sweep.study import open_study
+
+    sweep = Sweep(name="s", space=space, n_trials=n_trials, sampler=sampler, seed=seed)
+    sweep.direction = "minimize"
+    return open_study(sweep, check(sweep), storage), check(sweep)
+
+
+def _ask(study: optuna.Study, params: list) -> optuna.trial.Trial:
+    from template.engine.sweep.driver import _suggest
+
+    trial = study.ask()
+    for param in params:
+        _suggest(trial, param)
+    return trial
+
+
+def _score(trial: optuna.trial.Trial) -> float:
+    return abs(trial.params["lr"] - 0.01) + trial.params["batch"] / 1000
+
+
+def _journal(tmp_path: Path, name: str = "j") -> optuna.storages.JournalStorage:
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / name)))
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_proposals_are_the_same_whether_the_sweep_ran_in_one_go_or_was_restarted(sampler: str, tmp_path: Path) -> None:
+    def proposals(restart_after: int | None, name: str, seed: int = 0) -> list[dict]:
+        storage = _journal(tmp_path, name)
+        study, params = _worker(storage, SPACE, sampler, seed)
+        for number in range(8):  # TPE: 2 random startup trials, then it conditions on the finished ones
+            if number == restart_after:
+                study, params = _worker(storage, SPACE, sampler, seed)  # as a new process opens it
+            trial = _ask(study, params)
+            study.tell(trial, _score(trial))
+        return [t.params for t in study.trials]
+
+    one_go = proposals(None, "a")
+    for after in (1, 2, 5):
+        assert proposals(after, f"restarted-{after}") == one_go, after
+    assert len({tuple(p.values()) for p in one_go}) == 8
+    assert proposals(None, "other-seed", seed=1) != one_go
+
+
+def test_workers_sharing_a_storage_propose_different_values(tmp_path: Path) -> None:
+    # Two sweep processes on one storage (as on two machines, each with its own sweep folder), the same seed.
+    storage = _journal(tmp_path)
+    (a, params), (b, _) = _worker(storage, SPACE), _worker(storage, SPACE)
+    for _ in range(4):
+        first, second = _ask(a, params), _ask(b, params)  # both running at once
+        a.tell(first, _score(first))
+        b.tell(second, _score(second))
+    values = [tuple(t.params.values()) for t in a.trials]
+    assert len(values) == 8 and len(set(values)) == 8, values
+
+
+def test_a_finite_space_repeats_values_only_once_every_point_is_taken(tmp_path: Path, capsys) -> None:
+    space = {"a": {"type": "categorical", "choices": [1, 2, 3]}, "b": {"type": "int", "low": 0, "high": 1}}
+    storage = _journal(tmp_path)
+    (study, params), (other, _) = _worker(storage, space), _worker(storage, space)
+    for number in range(6):
+        if number == 3:  # a queued trial keeps its given value; the sampler chooses the other, not a taken one
+            a = next(a for a in (1, 2, 3) if [t.params["a"] for t in study.trials].count(a) == 1)
+            study.enqueue_trial({"a": a})
+        worker = study if number % 2 else other
+        worker.tell(_ask(worker, params), float(number))
+    assert len({tuple(t.params.values()) for t in study.trials}) == 6
+    assert study.trials[3].params["a"] == a
+    assert "repeats" not in capsys.readouterr().out
+    _ask(study, params)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("Sweep s: trial 6 repeats the values of trial "), out
+    assert out[0].endswith("(all 6 points of sweep.space are taken)"), out
+
+
+def test_a_sweep_name_reused_with_another_space_is_refused_before_anything_is_written(run_main, tmp_path: Path) -> None:
+    folder = tmp_path / "lightning_logs" / "s"
+    folder.mkdir(parents=True)
+    lr = {"type": "categorical", "choices": [0.01, 0.003, 1.0e-6]}
+    _worker(_journal(folder, "study.journal"), {"model.optimizer.init_args.lr": lr})  # as the first command made it
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    space = "    model.optimizer.init_args.lr: {type: float, low: 0.001, high: 0.1}\n"
+    space += "    model.net.init_args.dropout: {type: float, low: 0.0, high: 0.5}\n"
+    done = run_main(*_sweep_args(tmp_path, space=space))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert errors[0] == (
+        "error: sweep 's' exists with another space (differs in: model.net.init_args.dropout, "
+        "model.optimizer.init_args.lr); use another --sweep.name or the same space"
+    )
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "s.yaml"} == before

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import yaml
 from jsonargparse import ArgumentParser
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 from template.engine.errors import ConfigError, explain_parser_error
 
@@ -81,6 +82,14 @@ class Param:
         if self.type == "categorical":
             return self.choices[0]
         return int(self.low) if self.type == "int" else float(self.low)
+
+    def distribution(self) -> BaseDistribution:
+        """Optuna's distribution of this dimension."""
+        if self.type == "categorical":
+            return CategoricalDistribution(self.choices)
+        if self.type == "int":
+            return IntDistribution(int(self.low), int(self.high), log=self.log, step=int(self.step or 1))
+        return FloatDistribution(self.low, self.high, log=self.log, step=self.step)
 
 
 @dataclass

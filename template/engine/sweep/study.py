@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,12 @@ from template.engine.run import LOGS
 from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
 from template.engine.sweep.fitconfig import FitConfigs
-from template.engine.sweep.options import Sweep, parse_command
+from template.engine.sweep.options import Param, Sweep, parse_command
 from template.engine.sweep.results import write_results
+from template.engine.sweep.sampler import TrialSeeded
 
 JOURNAL = "study.journal"
+SPACE = "space"  # the study's user attribute that records sweep.space
 
 
 def run_sweep(argv: list[str]) -> int:
@@ -41,12 +45,13 @@ def run_sweep(argv: list[str]) -> int:
     root = Path(base.get("trainer", {}).get("default_root_dir") or ".")
     folder = root / LOGS / sweep.name
     storage = open_storage(sweep.storage, folder)
+    if storage is not None:
+        check_space(storage, sweep.name, command.space)
     folder.mkdir(parents=True, exist_ok=True)
-    if storage is None:
-        storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / JOURNAL)))
+    storage = storage or _journal(folder / JOURNAL)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     slots = claim_slots(folder, sweep.workers)
-    study = _study(sweep, storage, _sampler(sweep, offset=int(slots[0].rsplit(".", 1)[1])))
+    study = open_study(sweep, command.space, storage)
     if sweep.enqueue and not study.get_trials(deepcopy=False):
         for values in sweep.enqueue:
             study.enqueue_trial(values)
@@ -59,13 +64,13 @@ def run_sweep(argv: list[str]) -> int:
 
 
 def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage | None:
-    """The study's storage for ``sweep.storage``; None for the embedded journal (created after every check)."""
+    """The study's storage for ``sweep.storage``; None for an embedded journal not yet made (made after every check)."""
     if url is None:
-        return None
+        return _journal(folder / JOURNAL) if (folder / JOURNAL).is_file() else None
     if "://" not in url:
         if not Path(url).parent.is_dir():
             raise ConfigError(f"sweep.storage={url!r}: folder {Path(url).parent} does not exist; create it first")
-        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
+        return _journal(Path(url))
     try:
         return _rdb_storage(url)
     except Exception as err:  # SQLAlchemy's OperationalError, a missing driver module, a malformed URL...
@@ -106,23 +111,51 @@ def _dashboard_url(url: str | None, folder: Path) -> str:
     return _without_password(url) if url else str(folder / JOURNAL)
 
 
-def _study(sweep: Sweep, storage: optuna.storages.BaseStorage, sampler: optuna.samplers.BaseSampler) -> optuna.Study:
-    return optuna.create_study(
+def open_study(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseStorage) -> optuna.Study:
+    """The sweep's study, created or loaded; it records its space (``check_space`` compares the next command's)."""
+    study = optuna.create_study(
         storage=storage,
-        sampler=sampler,
+        sampler=_sampler(sweep, space),
         study_name=sweep.name,
         direction=sweep.direction,
         pruner=_pruner(sweep),
         load_if_exists=True,
     )
+    if SPACE not in study.user_attrs:
+        study.set_user_attr(SPACE, _space(space))
+    return study
 
 
-def _sampler(sweep: Sweep, offset: int) -> optuna.samplers.BaseSampler:
-    # Each worker process draws its own sequence: the same seed everywhere would propose the same trials at once.
-    seed = None if sweep.seed is None else sweep.seed + offset
-    if sweep.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, sweep.n_trials // 3)))
+def _sampler(sweep: Sweep, space: list[Param]) -> optuna.samplers.BaseSampler:
+    distributions = {param.key: param.distribution() for param in space}
+    startup = min(10, max(2, sweep.n_trials // 3))
+    return TrialSeeded(sweep.name, distributions, sweep.sampler, sweep.seed, startup)
+
+
+def check_space(storage: optuna.storages.BaseStorage, name: str, space: list[Param]) -> None:
+    """Refuse to continue a study with another search space: its trials would mix two searches."""
+    try:
+        recorded = storage.get_study_user_attrs(storage.get_study_id_from_name(name)).get(SPACE)
+    except KeyError:  # no such study yet
+        return
+    if recorded is None:  # a study from before the space was recorded
+        return
+    given = _space(space)
+    differ = sorted(k for k in {*recorded, *given} if recorded.get(k) != given.get(k))
+    if differ:
+        raise ConfigError(
+            f"sweep '{name}' exists with another space (differs in: {', '.join(differ)}); "
+            "use another --sweep.name or the same space"
+        )
+
+
+def _space(space: list[Param]) -> dict[str, Any]:
+    """The space as the study records it (JSON), every field filled in, so that equal spaces compare equal."""
+    return json.loads(json.dumps({p.key: {k: v for k, v in asdict(p).items() if k != "key"} for p in space}))
+
+
+def _journal(path: Path) -> optuna.storages.JournalStorage:
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
 
 
 def _pruner(sweep: Sweep) -> optuna.pruners.BasePruner:
