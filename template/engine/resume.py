@@ -9,11 +9,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from template.engine import internals
+from template.engine.resumable_loader import make_resumable, not_resumable_reason, wrapped
 
 try:
     import numpy as np
@@ -37,14 +39,22 @@ def exact_resume_point(trainer: Trainer) -> bool:
 class RNGStateCheckpoint(Callback):
     """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank, and restores them on resume.
 
-    Checkpoints hold only tensors and plain Python values, so they load with ``torch.load(weights_only=True)``.
+    Also puts a map-style training DataLoader back at its place in an epoch (``engine/resumable_loader.py``): the
+    training loader Lightning uses is a copy of the user's whose index sampler records the random states each epoch's
+    order is drawn from; a resume in the middle of an epoch draws that order again and skips the batches already
+    trained on by index. Checkpoints hold only tensors and plain Python values, so they load with
+    ``torch.load(weights_only=True)``.
     """
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
         self._pending_samplers: list[torch.Tensor | None] | None = None
         self._batches_done: int | None = None
+        self._last_batch = False
         self._restored: dict[str, Any] | None = None
+        # Per training loader: the random states its current epoch was drawn from, from the checkpoint.
+        self._pending_loaders: list[dict[str, Any] | None] = []
+        self._patched: Any = None
 
     @property
     def state_key(self) -> str:
@@ -52,10 +62,75 @@ class RNGStateCheckpoint(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if stage == "fit" and self._patched is None:
+            # Lightning passes every loader through its strategy's process_dataloader after inserting its samplers
+            # and before creating the first iterator: the training loader is replaced there by a resumable copy.
+            strategy = trainer.strategy
+            process = strategy.process_dataloader
+
+            def process_dataloader(dataloader: object) -> object:
+                dataloader = process(dataloader)
+                if trainer.state.stage != RunningStage.TRAINING:
+                    return dataloader
+                return self._resumable(dataloader)
+
+            strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+            self._patched = strategy
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._patched is not None:
+            # Only this instance's attribute goes; the strategy's own method is back.
+            self._patched.__dict__.pop("process_dataloader", None)
+            self._patched = None
+
+    def _resumable(self, dataloader: object) -> object:
+        resumable = make_resumable(dataloader)
+        sampler = wrapped(resumable)
+        pending = self._pending_loaders.pop(0) if self._pending_loaders else None
+        done = self._batches_done
+        if sampler is not None and pending is not None and done and not self._last_batch:
+            # Restarted in the middle of an epoch: its order again, without the batches already trained on.
+            sampler.resume(pending["iterator"], pending["order"], done)
+        return resumable
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.processed
+        # A stop is under way: Lightning's own SIGTERM handling, or Preemption's (its signal's time is public).
+        stopping = trainer.received_sigterm or any(getattr(c, "signalled_at", None) for c in trainer.callbacks)
+        if not stopping or not done or progress.is_last_batch:
+            return
+        # A stop in the middle of an epoch: said now, not after the restart, where the continuation will differ.
+        for index, loader in enumerate(self._train_loaders()):
+            reason = not_resumable_reason(loader)
+            sampler = wrapped(loader)
+            if (
+                reason is None
+                and sampler is not None
+                and not sampler.known_order()
+                and not sampler.order_reproducible()
+            ):
+                reason = (
+                    f"its sampler {type(sampler.inner).__name__} draws an order that the recorded random states do not "
+                    "draw again"
+                )
+            if reason is not None:
+                name = f"{type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
+                rank_zero_info(
+                    f"Not exact: training loader {index} ({name}) cannot be put back at batch {done} of epoch "
+                    f"{trainer.current_epoch}: {reason}; the restart reads this epoch's data again from its start "
+                    f"(about {done} batches read twice, as many not read). README: Exact at any step."
+                )
 
     def state_dict(self) -> dict[str, Any]:
         """Called on every rank while a checkpoint is assembled; rank 0's copy (holding all ranks) is written."""
-        state = _collect(self._train_loaders())
+        loaders = self._train_loaders()
+        state = _collect(loaders)
+        state["loaders"] = []
+        for loader in loaders:
+            sampler = wrapped(loader)
+            recorded = sampler is not None and sampler.at_iterator is not None and sampler.at_order is not None
+            state["loaders"].append({"iterator": sampler.at_iterator, "order": sampler.at_order} if recorded else None)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, state)
@@ -77,24 +152,28 @@ class RNGStateCheckpoint(Callback):
         _restore(state)
         self._restored = state
         self._pending_samplers = state["samplers"]
+        self._pending_loaders = list(state.get("loaders") or [])
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # Batches of the current epoch already trained on when the checkpoint was written ("processed": a
         # checkpoint saved from on_train_batch_end has not counted its batch as completed yet).
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
         self._batches_done = progress.get("current", {}).get("processed")
+        self._last_batch = bool(progress.get("is_last_batch", False))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = self._train_loaders()
         # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
         # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
         stateful = bool(loaders) and all(_is_stateful(loader) for loader in loaders)
-        if stateful and self._restored is not None:
+        # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
+        replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
+        if (stateful or replayed) and self._restored is not None:
             # Lightning's restored iterator drew seeds from the global generators, which the uninterrupted run did
             # before the checkpoint (mid-epoch) or does when the next epoch's iterator starts: restore them again.
             _restore(self._restored)
-            if trainer.fit_loop.restarted_mid_epoch:
-                # Lightning put the loader back at its place in the epoch, sampler generator included.
+            if trainer.fit_loop.restarted_mid_epoch or replayed:
+                # Lightning (or the replay) put the loader back at its place in the epoch, sampler generator included.
                 self._pending_samplers = None
         restored, self._restored = self._restored, None
         rebuild = False
@@ -121,7 +200,8 @@ class RNGStateCheckpoint(Callback):
             # Lightning built the epoch's iterator before this hook, from the generators' old states or for the wrong
             # epoch; a new one draws from the restored states, as the uninterrupted run did.
             iter(internals.fit_data_fetcher(trainer))
-        if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not stateful:
+        resumed = all(_is_stateful(loader) or wrapped(loader) is not None for loader in loaders)
+        if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
                 f"Resuming in the middle of epoch {trainer.current_epoch} (after {done} of {total} "
