@@ -10,14 +10,22 @@ from lightning.fabric.accelerators import cuda as fabric_cuda
 from lightning.fabric.utilities.device_parser import _parse_gpu_ids
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities.parsing import lightning_getattr
 from torch.nn import functional as F
 from torch.optim import lr_scheduler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from template.data import DigitsDataModule
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
-from template.engine.scaling import BatchScaling, lr_factor, per_process_batch_size, scale_learning_rates
+from template.engine.scaling import (
+    BatchScaling,
+    format_summary,
+    lr_factor,
+    per_process_batch_size,
+    scale_learning_rates,
+)
 from template.nets import MLP
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, REPO, cli_env
 
 SHORT = ("--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1")
 BASE_LR = 1e-3  # the example's Adam default, and the user's model's below
@@ -175,8 +183,77 @@ def test_a_datamodule_without_batch_size_is_refused_for_a_global_batch(tmp_path)
     class NoBatch(LightningDataModule):
         pass
 
-    with pytest.raises(ConfigError, match=r"needs a DataModule with a `batch_size` attribute.*; NoBatch has none"):
-        trainer.callbacks[0].apply_batch_size(trainer, NoBatch())
+    # Before the module is attached (the command line's early call) the module may still hold it: decided in setup.
+    assert trainer.callbacks[0].apply_batch_size(trainer, NoBatch()) is None
+    with pytest.raises(
+        ConfigError, match=r"needs a `batch_size` that the dataloaders use.*; NoBatch or UsersModel has"
+    ):
+        trainer.callbacks[0].apply_batch_size(trainer, NoBatch(), UsersModel())
+
+
+class HparamsOnly(LightningDataModule):
+    """Keeps its batch size in hparams only (save_hyperparameters), as Lightning's batch-size finder allows."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        data = TensorDataset(torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,)))
+        return DataLoader(data, batch_size=self.hparams.batch_size)
+
+
+class ModuleHeld(UsersModel):
+    """The batch size on the LightningModule, as Lightning's batch-size finder also allows."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+
+def test_the_batch_size_is_found_where_lightnings_batch_size_finder_finds_it(tmp_path):
+    trainer = Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=2, logger=False)
+    dm = HparamsOnly()
+    assert BatchScaling(global_batch_size=32).apply_batch_size(trainer, dm) == 16 and dm.hparams.batch_size == 16
+    model = ModuleHeld()
+    assert BatchScaling(global_batch_size=64).apply_batch_size(trainer, None, model) == 32 and model.batch_size == 32
+    # The same holders as Lightning's own lookup (module attached to a Trainer with the DataModule).
+    trainer = _trainer(tmp_path, BatchScaling(), 1)
+    model, dm = ModuleHeld(batch_size=4), HparamsOnly(batch_size=6)
+    trainer.fit(model, datamodule=dm)
+    assert lightning_getattr(model, "batch_size") == 6
+    assert trainer.callbacks[0].summary["batch_per_process"] == 6
+
+
+def test_without_a_holder_the_summary_reads_the_batch_from_the_loader(tmp_path, capsys):
+    class LoaderOnly(LightningDataModule):
+        def __init__(self, batch_sampler: bool) -> None:
+            super().__init__()
+            self.batch_sampler = batch_sampler
+
+        def train_dataloader(self):
+            data = TensorDataset(torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,)))
+            if self.batch_sampler:
+                return DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 12, drop_last=False))
+            return DataLoader(data, batch_size=10, shuffle=True)
+
+    for batch_sampler, size in ((False, 10), (True, 12)):
+        scaling = BatchScaling()
+        _trainer(tmp_path, scaling, 1).fit(UsersModel(), datamodule=LoaderOnly(batch_sampler))
+        assert (scaling.summary["batch_per_process"], scaling.summary["effective_batch_size"]) == (size, size)
+        assert format_summary(scaling.summary).count(f"batch {size}/process ({size}/device)") == 1
+
+
+@pytest.mark.slow
+def test_a_datamodule_with_its_batch_size_in_hparams_runs_under_ddp(run_cli, tmp_path):
+    # configs/ddp_cpu.yaml states a global batch; the DataModule keeps batch_size in hparams (save_hyperparameters).
+    result = run_cli(
+        "fit", "--config", CONFIGS / "ddp_cpu.yaml", "--data.class_path=user_code.plain_data.HparamsDigits", *SHORT,
+        env=cli_env(PYTHONPATH=str(REPO / "tests")), timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "batch 32/process (32/device) x 2 process(es) x 1 accumulation = 64 per optimizer step" in output
 
 
 def test_a_users_datamodule_with_batch_size_gets_its_share(tmp_path):

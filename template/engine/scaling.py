@@ -11,6 +11,8 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
 
 from template.engine.errors import ConfigError
 from template.engine.internals import child_schedulers, last_lr_attribute
@@ -104,45 +106,60 @@ class BatchScaling(Callback):
         # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
         self._applied_factor = 1.0
 
-    def apply_batch_size(self, trainer: Trainer, datamodule: Any) -> int | None:
-        """Set ``datamodule.batch_size`` from the global batch (idempotent); returns the per-process batch."""
-        name = type(datamodule).__name__
+    def apply_batch_size(self, trainer: Trainer, datamodule: Any, module: Any = None) -> int | None:
+        """Set the batch size from the global batch (idempotent) where Lightning's batch-size finder would; returns
+        the per-process batch.
+
+        Holders, as ``lightning.pytorch.utilities.parsing.lightning_setattr`` finds them: an attribute of the
+        LightningModule, its ``hparams``, an attribute of the DataModule, its ``hparams``; all of them are set. Called
+        by the command line before the module is attached (``module`` None: a holder only in the module is found in
+        ``setup``) and again in ``setup``.
+        """
+        holders = batch_size_holders(module, datamodule)
+        names = " or ".join(type(o).__name__ for o in (datamodule, module) if o is not None) or "the run"
         if self.global_batch_size is None:
-            batch = getattr(datamodule, "batch_size", None)
-            if self.lr_scaling != "none" and not isinstance(batch, int):
+            batch = _get(holders[-1]) if holders else None
+            if self.lr_scaling != "none" and not isinstance(batch, int) and (holders or module is not None):
                 raise ConfigError(
-                    f"scaling.lr_scaling={self.lr_scaling} needs the batch size, but {name} has no integer "
-                    "`batch_size` attribute; set scaling.global_batch_size"
+                    f"scaling.lr_scaling={self.lr_scaling} needs the batch size, but {names} has no integer "
+                    "`batch_size` (attribute or hparams); set scaling.global_batch_size"
                 )
             return batch
-        if not hasattr(datamodule, "batch_size"):
+        if not holders:
+            if module is None and trainer.lightning_module is None:
+                return None  # the module may hold it: decided in setup, once it is attached
             raise ConfigError(
-                f"scaling.global_batch_size needs a DataModule with a `batch_size` attribute that its dataloaders "
-                f"use; {name} has none: add one or set scaling.global_batch_size=null"
+                f"scaling.global_batch_size needs a `batch_size` that the dataloaders use, an attribute or hparams "
+                f"entry of the DataModule or the LightningModule (where Lightning's batch-size finder looks); {names} "
+                "has none: add one or set scaling.global_batch_size=null"
             )
         batch = per_process_batch_size(self.global_batch_size, trainer.world_size, trainer.accumulate_grad_batches)
         # A data.batch_size other than the constructor's default was set on purpose: it would be silently replaced.
-        default = _default_batch_size(datamodule)
-        if default is not None and datamodule.batch_size not in (batch, default):
+        current = _get(holders[-1])
+        default = _default_batch_size(holders[-1][0])
+        if default is not None and current not in (batch, default):
             raise ConfigError(
-                f"data.batch_size={datamodule.batch_size} and scaling.global_batch_size={self.global_batch_size} "
+                f"data.batch_size={current} and scaling.global_batch_size={self.global_batch_size} "
                 f"both set the batch (the global one gives {batch} per process); keep one of them"
             )
-        datamodule.batch_size = batch
+        for holder in holders:
+            _set(holder, batch)
         return batch
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Also reached without the command line, when this callback is given to a Trainer directly.
-        if trainer.datamodule is not None:
-            self.apply_batch_size(trainer, trainer.datamodule)
+        self.apply_batch_size(trainer, trainer.datamodule, pl_module)
         # Fresh optimizers hold the base LR; a checkpoint restored later brings its own factor (load_state_dict).
         self._applied_factor = 1.0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Runs after Lightning restored the optimizer from a checkpoint: rescaling relative to the factor that
         # checkpoint already holds applies the rule once, however often the run is resumed.
-        datamodule = trainer.datamodule
-        per_process = getattr(datamodule, "batch_size", None) if datamodule is not None else None
+        holders = batch_size_holders(pl_module, trainer.datamodule)
+        per_process = _get(holders[-1]) if holders else None
+        if not isinstance(per_process, int):
+            # No holder (or not an integer): the size the training loader batches by.
+            per_process = loader_batch_size(trainer.train_dataloader)
         shares = trainer.world_size * trainer.accumulate_grad_batches
         effective = per_process * shares if isinstance(per_process, int) else None
         factor = lr_factor(self.lr_scaling, effective, self.reference_batch_size) if effective else 1.0
@@ -167,6 +184,53 @@ class BatchScaling(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._applied_factor = float(state_dict.get("lr_factor", 1.0))
+
+
+# A holder of the batch size: (the object, None) for an attribute, (the object, its hparams) for an hparams entry.
+Holder = tuple[Any, Any]
+
+
+def batch_size_holders(module: Any, datamodule: Any) -> list[Holder]:
+    """Where the batch size lives, in the order of Lightning's ``_lightning_get_all_attr_holders`` (the batch-size
+    finder's ``lightning_getattr``/``lightning_setattr``): the module, its hparams, the DataModule, its hparams.
+
+    Lightning's own functions need the module attached to a Trainer with the DataModule; the command line asks
+    before that. Lightning reads the last holder and sets all of them.
+    """
+    holders: list[Holder] = []
+    for owner in (module, datamodule):
+        if owner is None:
+            continue
+        if hasattr(owner, "batch_size"):
+            holders.append((owner, None))
+        hparams = getattr(owner, "hparams", None)
+        if hparams is not None and "batch_size" in hparams:
+            holders.append((owner, hparams))
+    return holders
+
+
+def _get(holder: Holder) -> Any:
+    owner, hparams = holder
+    return owner.batch_size if hparams is None else hparams["batch_size"]
+
+
+def _set(holder: Holder, value: int) -> None:
+    owner, hparams = holder
+    if hparams is None:
+        owner.batch_size = value
+    else:
+        hparams["batch_size"] = value
+
+
+def loader_batch_size(loaders: Any) -> int | None:
+    """The batch size of the first training DataLoader: its ``batch_size``, or its batch sampler's."""
+    found: list[DataLoader] = []
+    apply_to_collection(loaders, DataLoader, found.append)
+    for loader in found:
+        size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+        if isinstance(size, int):
+            return size
+    return None
 
 
 def run_summary(trainer: Trainer, per_process: int | None, effective: int | None, scaling: BatchScaling) -> dict:
