@@ -176,6 +176,7 @@ def test_sigkill_mid_trial_then_the_same_command_continues(tmp_path: Path) -> No
     assert "trial 1 continues" in out
     study = _study(folder)
     assert _states(study) == {"COMPLETE": 3}, _states(study)
+    assert len({tuple(t.params.values()) for t in study.trials}) == 3  # the three choices, none twice
     log = (folder / "trial-0001.log").read_text()
     resumed = re.search(r"resuming from .*\(epoch \d+, step (\d+)\)", log)
     assert resumed and int(resumed.group(1)) >= 4, log[-2000:]  # from its checkpoint, not from step 0

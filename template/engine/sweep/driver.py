@@ -134,31 +134,34 @@ class Driver:
             and all(r.trial.number != t.number for r in self.running.values())
         ]
         if mine:
-            # This worker was killed while it ran the trial: continue it from its checkpoint.
+            # This worker was killed with the trial in hand (before it started, while it ran, or before its end was
+            # recorded): it takes it up again, from its checkpoint if it has one.
             frozen = mine[0]
-            self._launch(slot, optuna.trial.Trial(self.study, self._id(frozen)), frozen.user_attrs["folder"], frozen)
-            return
-        if sum(1 for t in trials if t.state in _FINISHED) >= self.sweep.n_trials:
-            return
-        live = [t for t in trials if _counts(t)]
-        if len(live) >= self.sweep.n_trials and not any(t.state == TrialState.WAITING for t in trials):
-            return
-        trial = self.study.ask()
-        earlier = [t for t in self.study.get_trials(deepcopy=False) if _counts(t) and t.number < trial.number]
-        if len(earlier) >= self.sweep.n_trials:
-            # Another worker asked at the same moment and took the last place.
-            trial.set_user_attr("surplus", True)
-            self.study.tell(trial, state=TrialState.FAIL)
-            return
-        frozen = self.study.get_trials(deepcopy=False)[trial.number]
-        folder = frozen.user_attrs.get("folder") or f"trial-{trial.number:04d}"
-        for param in self.space:
-            _suggest(trial, param)
-        trial.set_user_attr("folder", folder)
-        self._launch(slot, trial, folder, None)
+            trial = optuna.trial.Trial(self.study, self._id(frozen))
+        else:
+            if sum(1 for t in trials if t.state in _FINISHED) >= self.sweep.n_trials:
+                return
+            live = [t for t in trials if _counts(t)]
+            if len(live) >= self.sweep.n_trials and not any(t.state == TrialState.WAITING for t in trials):
+                return
+            frozen = None
+            trial = self.study.ask()
+            # First of all: started again, this worker finds the trial whatever the moment it was killed at.
+            trial.set_user_attr("worker", slot)
+        if "started" not in trial.user_attrs:
+            earlier = [t for t in self.study.get_trials(deepcopy=False) if _counts(t) and t.number < trial.number]
+            if len(earlier) >= self.sweep.n_trials:
+                # Another worker asked at the same moment and took the last place.
+                trial.set_user_attr("surplus", True)
+                self.study.tell(trial, state=TrialState.FAIL)
+                return
+        self._launch(slot, trial, frozen)
 
-    def _launch(self, slot: str, trial: optuna.trial.Trial, folder: str, resumed: Any) -> None:
-        trial.set_user_attr("worker", slot)
+    def _launch(self, slot: str, trial: optuna.trial.Trial, resumed: optuna.trial.FrozenTrial | None) -> None:
+        folder = trial.user_attrs.get("folder") or f"trial-{trial.number:04d}"  # a retried trial keeps its folder
+        for param in self.space:
+            _suggest(trial, param)  # values it has are kept; the sampler chooses the others (all, for a new trial)
+        trial.set_user_attr("folder", folder)
         self._beat(trial)
         params = dict(trial.params)
         values = self.configs.complete(params, what=f"trial {trial.number}: ")
@@ -171,13 +174,13 @@ class Driver:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # the trial is not a SLURM task
         if slot in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot]
+        what = "continues" if "started" in trial.user_attrs else "starts"
+        trial.set_user_attr("started", time.time())  # before the process: a trial that may have run is no surplus
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_dies_with_us
         )
-        trial.set_user_attr("started", time.time())
         reported = set(resumed.intermediate_values) if resumed is not None else set()
         self.running[slot] = Running(trial, folder, process, log, time.monotonic(), reported)
-        what = "continues" if resumed is not None else "starts"
         shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
         print(f"Sweep {self.sweep.name}: trial {trial.number} {what} in {self.folder / folder} ({shown})", flush=True)
 
@@ -264,19 +267,24 @@ class Driver:
         now = time.time()
         storage = self.storage
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            beat = t.user_attrs.get("heartbeat")
-            if beat is None or now - beat < _STALE_HEARTBEATS * self.sweep.heartbeat:
+            # A worker killed right after Optuna created its trial left neither a heartbeat nor its id.
+            beat = t.user_attrs.get("heartbeat") or t.datetime_start.timestamp()
+            if now - beat < _STALE_HEARTBEATS * self.sweep.heartbeat:
                 continue
             if t.user_attrs.get("worker") in self.slots:
                 continue  # ours: continued by _start_next
-            try:
+            worker = t.user_attrs.get("worker", "that asked for it")
+            try:  # the reason first: Optuna refuses to change a finished trial
+                storage.set_trial_user_attr(self._id(t), "reason", f"worker {worker} stopped")
                 storage.set_trial_state_values(self._id(t), state=TrialState.FAIL)
             except (RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
                 continue  # another worker failed it first
-            storage.set_trial_user_attr(self._id(t), "reason", f"worker {t.user_attrs.get('worker')} stopped")
-            self.study.enqueue_trial(
-                t.params, user_attrs={"folder": t.user_attrs.get("folder"), "retry_of": t.number}, skip_if_exists=False
-            )
+            if t.params:  # else it never started: the next trial asked replaces it
+                self.study.enqueue_trial(
+                    t.params,
+                    user_attrs={"folder": t.user_attrs.get("folder"), "retry_of": t.number},
+                    skip_if_exists=False,
+                )
 
     def _id(self, trial: optuna.trial.FrozenTrial) -> int:
         return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
@@ -344,11 +352,12 @@ def _counts(trial: optuna.trial.FrozenTrial) -> bool:
 
 
 def _suggest(trial: optuna.trial.Trial, param: Param) -> Any:
-    if param.type == "categorical":
-        return trial.suggest_categorical(param.key, param.choices)
-    if param.type == "int":
-        return trial.suggest_int(param.key, int(param.low), int(param.high), step=int(param.step or 1), log=param.log)
-    return trial.suggest_float(param.key, param.low, param.high, step=param.step, log=param.log)
+    d = param.distribution()
+    if isinstance(d, optuna.distributions.CategoricalDistribution):
+        return trial.suggest_categorical(param.key, d.choices)
+    if isinstance(d, optuna.distributions.IntDistribution):
+        return trial.suggest_int(param.key, d.low, d.high, step=d.step, log=d.log)
+    return trial.suggest_float(param.key, d.low, d.high, step=d.step, log=d.log)
 
 
 def _attr(study: optuna.Study, trial: optuna.trial.Trial, key: str) -> Any:
