@@ -115,6 +115,9 @@ class ResumableIndexSampler(Sampler):
         self.first: Any = None
         self._resume: tuple[dict[str, Any], dict[str, Any], int] | None = None
         self.resuming = False
+        # Persistent workers, restarted at an epoch's end: the workers' seed of the run's first epoch, once.
+        self._workers_seed_from: dict[str, Any] | None = None
+        self._after_seed: dict[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this object lacks; "inner" itself missing (half-built copy) must not recurse.
@@ -130,8 +133,22 @@ class ResumableIndexSampler(Sampler):
         self._resume = (at_iterator, at_order, done)
         self.resuming = True
 
-    def before_iterator(self, new: bool) -> None:
+    def keep_workers_seed(self, at_iterator: dict[str, Any]) -> None:
+        """Persistent workers were started once, in an earlier epoch: started again, they get the same seed."""
+        self._workers_seed_from = at_iterator
+
+    def before_iterator(self, new: bool, persistent: bool = False) -> None:
         """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
+        if new and persistent and self._resume is None and self._workers_seed_from is not None:
+            # The seed is drawn from the state it was drawn from when the workers first started; the epoch's order
+            # then from the states training is at (restored at the first item).
+            self._after_seed = capture_states(self.generators, self.epoch_samplers)
+            self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
+            _restore_global(self.at_iterator)
+            for generator, state in zip(self.generators, self.at_iterator["generators"], strict=True):
+                generator.set_state(state)
+            return
+        self._workers_seed_from = None
         if self._resume is not None:
             # The workers' base seed is drawn from the state it was drawn from in the uninterrupted run.
             at_iterator = self._resume[0]
@@ -147,6 +164,11 @@ class ResumableIndexSampler(Sampler):
         if self._resume is not None:
             yield from self._replay()
             return
+        if self._after_seed is not None:
+            after, self._after_seed = self._after_seed, None
+            _restore_global(after)
+            for generator, state in zip(self.generators, after["generators"], strict=True):
+                generator.set_state(state)
         self.at_order = capture_states(self.generators, self.epoch_samplers)
         first = True
         for item in self.inner:
@@ -202,7 +224,8 @@ def _resumable_class(cls: type) -> type:
             sampler = wrapped(self)
             if sampler is not None:
                 # With persistent workers only the first epoch creates the iterator (and draws the workers' seed).
-                sampler.before_iterator(new=not (self.persistent_workers and self._iterator is not None))
+                persistent = self.persistent_workers and self.num_workers > 0
+                sampler.before_iterator(new=not (persistent and self._iterator is not None), persistent=persistent)
             return super(subclass, self).__iter__()
 
         subclass = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": __name__})

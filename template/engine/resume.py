@@ -91,6 +91,8 @@ class RNGStateCheckpoint(Callback):
         if sampler is not None and pending is not None and done and not self._last_batch:
             # Restarted in the middle of an epoch: its order again, without the batches already trained on.
             sampler.resume(pending["iterator"], pending["order"], done)
+        elif sampler is not None and pending is not None:
+            sampler.keep_workers_seed(pending["iterator"])
         return resumable
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
