@@ -202,7 +202,8 @@ class RNGStateCheckpoint(Callback):
             # Lightning built the epoch's iterator before this hook, from the generators' old states or for the wrong
             # epoch; a new one draws from the restored states, as the uninterrupted run did.
             iter(internals.fit_data_fetcher(trainer))
-        resumed = all(_is_stateful(loader) or wrapped(loader) is not None for loader in loaders)
+        # A resumable copy without recorded states (a checkpoint written by an older version) cannot replay.
+        resumed = all(_is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
