@@ -306,12 +306,12 @@ SPACE = {
 }
 
 
-def _worker(storage, space: dict, sampler: str = "tpe", seed: int = 0, n_trials: int = 6) -> tuple:
+def _worker(storage, space: dict, sampler: str = "tpe", seed: int = 0, pruner: str = "median") -> tuple:
     """A study as a sweep process opens it, and its space (the sweep's own code, no fit processes)."""
     from template.engine.sweep.options import Sweep, check
     from template.engine.sweep.study import open_study
 
-    sweep = Sweep(name="s", space=space, n_trials=n_trials, sampler=sampler, seed=seed)
+    sweep = Sweep(name="s", space=space, n_trials=6, sampler=sampler, seed=seed, pruner=pruner)
     sweep.direction = "minimize"
     return open_study(sweep, check(sweep), storage), check(sweep)
 
@@ -364,16 +364,21 @@ def test_workers_sharing_a_storage_propose_different_values(tmp_path: Path) -> N
     assert len(values) == 8 and len(set(values)) == 8, values
 
 
-def test_a_finite_space_repeats_values_only_once_every_point_is_taken(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("pruner", ["median", "hyperband"])  # hyperband shows the sampler one bracket's trials
+def test_a_finite_space_repeats_values_only_once_every_point_is_taken(pruner: str, tmp_path: Path, capsys) -> None:
     space = {"a": {"type": "categorical", "choices": [1, 2, 3]}, "b": {"type": "int", "low": 0, "high": 1}}
     storage = _journal(tmp_path)
-    (study, params), (other, _) = _worker(storage, space), _worker(storage, space)
+    (study, params), (other, _) = _worker(storage, space, pruner=pruner), _worker(storage, space, pruner=pruner)
     for number in range(6):
         if number == 3:  # a queued trial keeps its given value; the sampler chooses the other, not a taken one
             a = next(a for a in (1, 2, 3) if [t.params["a"] for t in study.trials].count(a) == 1)
             study.enqueue_trial({"a": a})
         worker = study if number % 2 else other
-        worker.tell(_ask(worker, params), float(number))
+        trial = _ask(worker, params)
+        for step in range(1, 10):  # hyperband makes its brackets (three) when asked about a trial of 9 steps
+            trial.report(float(number), step)
+            trial.should_prune()
+        worker.tell(trial, float(number))
     assert len({tuple(t.params.values()) for t in study.trials}) == 6
     assert study.trials[3].params["a"] == a
     assert "repeats" not in capsys.readouterr().out
@@ -381,6 +386,14 @@ def test_a_finite_space_repeats_values_only_once_every_point_is_taken(tmp_path: 
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("Sweep s: trial 6 repeats the values of trial "), out
     assert out[0].endswith("(all 6 points of sweep.space are taken)"), out
+
+
+def test_optuna_still_keeps_a_queued_trials_values_where_the_sampler_reads_them(tmp_path: Path) -> None:
+    from template.engine.sweep.sampler import queued_values
+
+    study = optuna.create_study(storage=_journal(tmp_path))
+    study.enqueue_trial({"a": 2})
+    assert queued_values(study.get_trials(deepcopy=False)[0]) == {"a": 2}, "Optuna changed: update queued_values"
 
 
 def test_a_sweep_name_reused_with_another_space_is_refused_before_anything_is_written(run_main, tmp_path: Path) -> None:

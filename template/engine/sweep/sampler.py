@@ -31,8 +31,17 @@ class TrialSeeded(optuna.samplers.BaseSampler):
     derived from the number; only a finite space whose every point is taken repeats values, and says so.
     """
 
-    def __init__(self, name: str, space: dict[str, BaseDistribution], kind: str, seed: int | None, startup: int):
-        self.name, self.space, self.kind, self.seed, self.startup = name, space, kind, seed, startup
+    def __init__(
+        self,
+        storage: optuna.storages.BaseStorage,
+        name: str,
+        space: dict[str, BaseDistribution],
+        kind: str,
+        seed: int | None,
+        startup: int,
+    ) -> None:
+        self.storage, self.name, self.space = storage, name, space
+        self.kind, self.seed, self.startup = kind, seed, startup
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return dict(self.space)
@@ -43,8 +52,11 @@ class TrialSeeded(optuna.samplers.BaseSampler):
         if not search_space:
             return {}
         # Values a queued trial was given, or that a trial killed while its values were chosen already has, stay.
-        fixed = {**trial.system_attrs.get("fixed_params", {}), **trial.params}
-        others = [t for t in study.get_trials(deepcopy=False, states=_TAKEN) if t.number != trial.number]
+        fixed = {**queued_values(trial), **trial.params}
+        # Every trial of the study: under the hyperband pruner ``study`` holds only the trial's bracket.
+        study_id = self.storage.get_study_id_from_name(self.name)
+        trials = self.storage.get_all_trials(study_id, deepcopy=False, states=_TAKEN)
+        others = [t for t in trials if t.number != trial.number]
         taken = {_point(search_space, _values(t)): t.number for t in others}
         for attempt in range(2 * _DRAWS):
             proposal = {**_draw(self._sampler(trial.number, attempt), study, trial, search_space), **fixed}
@@ -92,8 +104,13 @@ def _draw(
     return values
 
 
+def queued_values(trial: FrozenTrial) -> dict[str, Any]:
+    """The values ``enqueue_trial`` gave a trial (Optuna keeps them in a system attribute its trials read)."""
+    return trial.system_attrs.get("fixed_params", {})
+
+
 def _values(trial: FrozenTrial) -> dict[str, Any]:
-    return trial.params or trial.system_attrs.get("fixed_params", {})
+    return trial.params or queued_values(trial)
 
 
 def _point(space: dict[str, BaseDistribution], values: dict[str, Any]) -> tuple | None:

@@ -115,7 +115,7 @@ def open_study(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseSt
     """The sweep's study, created or loaded; it records its space (``check_space`` compares the next command's)."""
     study = optuna.create_study(
         storage=storage,
-        sampler=_sampler(sweep, space),
+        sampler=_sampler(sweep, space, storage),
         study_name=sweep.name,
         direction=sweep.direction,
         pruner=_pruner(sweep),
@@ -126,10 +126,10 @@ def open_study(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseSt
     return study
 
 
-def _sampler(sweep: Sweep, space: list[Param]) -> optuna.samplers.BaseSampler:
+def _sampler(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseStorage) -> optuna.samplers.BaseSampler:
     distributions = {param.key: param.distribution() for param in space}
     startup = min(10, max(2, sweep.n_trials // 3))
-    return TrialSeeded(sweep.name, distributions, sweep.sampler, sweep.seed, startup)
+    return TrialSeeded(storage, sweep.name, distributions, sweep.sampler, sweep.seed, startup)
 
 
 def check_space(storage: optuna.storages.BaseStorage, name: str, space: list[Param]) -> None:
