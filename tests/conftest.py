@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 import template
 
@@ -81,6 +85,73 @@ def finish(proc: subprocess.Popen, timeout: float, what: str = "the run") -> int
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         pytest.fail(f"{what} did not end within {timeout} s")
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder that ``make`` fills once per test session, shared by pytest-xdist's workers (the way its docs show):
+    e.g. an uninterrupted run that many tests compare with."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder all workers of this session share
+    folder = root / f"once-{name}"
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".made").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
+class ForkServer:
+    """Runs ``python -m <package> *args`` as tests/forkserver.py's forked children: the same command, the same exit
+    codes and signals, without importing torch and Lightning again for each run."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "forkserver.py"), PACKAGE], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, text=True, start_new_session=True,
+        )  # fmt: skip
+        self.pending = b""  # what was read of the server's replies past the last whole line
+
+    def _reply(self, timeout: float) -> dict | None:
+        """The server's next reply, or None if none came within ``timeout`` s."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(fd, 4096)  # unbuffered: select sees everything not yet read
+            assert chunk, f"the fork server ended (exit {self.proc.poll()})"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, args: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: float) -> int:
+        """The exit code of the command (negative: the signal that ended it); the test fails after ``timeout`` s."""
+        request = {"args": args, "cwd": str(cwd), "env": env, "log": str(log)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        started = self._reply(30)
+        assert started, "the fork server did not start the run within 30 s"
+        ended = self._reply(timeout)
+        if ended is None:
+            os.killpg(started["pid"], signal.SIGKILL)
+            self._reply(10)
+            pytest.fail(f"the run did not end within {timeout} s")
+        return ended["returncode"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        finish(self.proc, 30, "the fork server")
+
+
+@pytest.fixture(scope="session")
+def fork_server() -> ForkServer:
+    """One ForkServer per test session (per pytest-xdist worker)."""
+    server = ForkServer(cli_env(PYTHONPATH=str(REPO / "tests")))
+    yield server
+    server.close()
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -262,10 +262,11 @@ def test_a_running_named_run_is_not_started_twice(
 
 @pytest.mark.slow
 def test_a_second_start_refuses_and_a_killed_run_leaves_no_lock(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
-    (tmp_path / "paced.yaml").write_text(
-        "trainer:\n  callbacks:\n    - class_path: step_marker.StepMarker\n"
-        "      init_args: {path: steps.txt, delay: 0.5}\n"
-    )
+    # The first run waits a minute after its first step: still running, whatever the machine's load, when the second
+    # starts; the third start (after the kill) is not paced.
+    paced = "trainer:\n  callbacks:\n    - class_path: step_marker.StepMarker\n"
+    paced += "      init_args: {{path: steps.txt, delay: {}}}\n"
+    (tmp_path / "paced.yaml").write_text(paced.format(60))
     command = [*BASE[:3], "--config", "paced.yaml", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"]
     command += ["--trainer.limit_train_batches=6", "--trainer.limit_val_batches=1", "--run.name=once"]
     env = cli_env(PYTHONPATH=str(Path(__file__).parent))
@@ -283,6 +284,7 @@ def test_a_second_start_refuses_and_a_killed_run_leaves_no_lock(tmp_path: Path, 
         assert second.returncode == 2 and len(errors) == 1 and "already running" in errors[0], second.stderr[-3000:]
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
+        (tmp_path / "paced.yaml").write_text(paced.format(0))
         third = run_cli(*command, env=env)
         assert third.returncode == 0, third.stderr[-3000:]
         assert "Run once" in third.stdout + third.stderr

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
+from conftest import CONFIGS, PACKAGE, REPO, ForkServer, cli_env, finish, made_once
 
 WAIT = 240  # seconds for one start of a run; a healthy single-process start takes 5-10 s here, DDP 15-25 s
 STEPS = 16
@@ -180,7 +180,12 @@ def _env(work: Path, slurm: bool = False) -> dict[str, str]:
     return env
 
 
-def _start(command: list[str], work: Path, env: dict[str, str]) -> int:
+def _start(command: list[str], work: Path, env: dict[str, str], server: ForkServer | None = None) -> int:
+    """Run ``command`` in ``work`` (its output appended to run.log): its exit code. With ``server``, a forked child
+    runs it; the uninterrupted runs each cell compares with are fresh interpreters (another hash seed, nothing
+    inherited)."""
+    if server is not None:
+        return server.run(command[3:], work, env, work / "run.log", WAIT)
     with (work / "run.log").open("a") as log:
         proc = subprocess.Popen(
             command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -194,12 +199,14 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The final checkpoint of each configuration run without a stop (made on first use)."""
     done: dict[str, dict] = {}
 
+    def run(work: Path, configuration: str) -> None:
+        code = _start(_command(configuration), work, _env(work))
+        assert code == 0, (work / "run.log").read_text()[-4000:]
+
     def final(configuration: str) -> dict:
         if configuration not in done:
-            work = tmp_path_factory.mktemp(f"uninterrupted-{configuration}")
-            code = _start(_command(configuration), work, _env(work))
-            assert code == 0, (work / "run.log").read_text()[-4000:]
-            done[configuration] = _last(work)
+            made = made_once(tmp_path_factory, f"uninterrupted-{configuration}", lambda w: run(w, configuration))
+            done[configuration] = _last(made)
         return done[configuration]
 
     return final
@@ -305,7 +312,7 @@ def _check_nothing_outside_the_run(work: Path, cell: Cell) -> None:
     assert not [p.name for p in checkpoints.iterdir() if not p.name.endswith(".ckpt")], "temporary files left"
 
 
-def _run_cell(cell: Cell, work: Path, uninterrupted: Any) -> None:
+def _run_cell(cell: Cell, work: Path, uninterrupted: Any, server: ForkServer) -> None:
     if cell.configuration == "dp" and torch.cuda.device_count() < 2:
         pytest.skip("strategy dp needs 2 CUDA GPUs (configs/dp.yaml lists devices [0, 1])")
     reference = uninterrupted(cell.configuration)
@@ -318,7 +325,7 @@ def _run_cell(cell: Cell, work: Path, uninterrupted: Any) -> None:
     command = [*_command(cell.configuration), "--config", "fault.yaml"]
     env = _env(work, slurm=cell.slurm)
 
-    first = _start(command, work, env)
+    first = _start(command, work, env, server)
     output = (work / "run.log").read_text()
     fired = (work / "fault.fired").is_file()
     assert fired, f"the fault never fired (exit {first}):\n{output[-3000:]}"
@@ -339,7 +346,7 @@ def _run_cell(cell: Cell, work: Path, uninterrupted: Any) -> None:
         assert (work / "scontrol.log").read_text() == "requeue 777\n"
 
     # The same command (and environment) again: it continues where the first stopped and ends normally.
-    second = _start(command, work, env)
+    second = _start(command, work, env, server)
     output = (work / "run.log").read_text()
     assert second == 0, output[-4000:]
     differences = _differences(_training_state(reference), _training_state(_last(work)))
@@ -350,16 +357,18 @@ def _run_cell(cell: Cell, work: Path, uninterrupted: Any) -> None:
 
 
 @pytest.mark.parametrize("cell", FAST, ids=[cell.id for cell in FAST])
-def test_a_stop_at_each_kind_of_moment_continues_exactly(cell: Cell, tmp_path: Path, uninterrupted: Any) -> None:
-    _run_cell(cell, tmp_path, uninterrupted)
+def test_a_stop_at_each_kind_of_moment_continues_exactly(
+    cell: Cell, tmp_path: Path, uninterrupted: Any, fork_server: ForkServer
+) -> None:
+    _run_cell(cell, tmp_path, uninterrupted, fork_server)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", SLOW, ids=[cell.id for cell in SLOW])
 def test_every_moment_signal_and_configuration_continues_exactly(
-    cell: Cell, tmp_path: Path, uninterrupted: Any
+    cell: Cell, tmp_path: Path, uninterrupted: Any, fork_server: ForkServer
 ) -> None:
-    _run_cell(cell, tmp_path, uninterrupted)
+    _run_cell(cell, tmp_path, uninterrupted, fork_server)
 
 
 def test_the_matrix_covers_what_it_promises() -> None:

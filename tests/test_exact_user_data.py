@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import test_exact_resume as matrix
 import torch
-from conftest import CONFIGS, PACKAGE
+from conftest import CONFIGS, PACKAGE, ForkServer, made_once
 from test_exact_resume import Cell
 from torch.utils.data import (
     BatchSampler,
@@ -241,38 +241,40 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The final checkpoint of each user configuration run without a stop (made on first use)."""
     done: dict[str, dict] = {}
 
+    def run(work: Path, configuration: str) -> None:
+        code = matrix._start(_user_command(configuration), work, matrix._env(work))
+        assert code == 0, (work / "run.log").read_text()[-4000:]
+
     def final(configuration: str) -> dict:
         if configuration not in done:
-            work = tmp_path_factory.mktemp(f"uninterrupted-{configuration}")
-            code = matrix._start(_user_command(configuration), work, matrix._env(work))
-            assert code == 0, (work / "run.log").read_text()[-4000:]
-            done[configuration] = matrix._last(work)
+            made = made_once(tmp_path_factory, f"user-{configuration}", lambda w: run(w, configuration))
+            done[configuration] = matrix._last(made)
         return done[configuration]
 
     return final
 
 
-def _run(cell: Cell, work: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def _run(cell: Cell, work: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, server: ForkServer) -> None:
     # The matrix's own cell, run with the user's DataModule: its command is the only thing that changes.
     monkeypatch.setattr(matrix, "_command", _user_command)
-    matrix._run_cell(cell, work, uninterrupted)
+    matrix._run_cell(cell, work, uninterrupted, server)
     output = (work / "run.log").read_text()
     assert "not resumable" not in output and "Resuming in the middle" not in output and "Not exact" not in output
 
 
 @pytest.mark.parametrize("cell", FAST, ids=[cell.id for cell in FAST])
 def test_a_plain_dataloader_continues_exactly(
-    cell: Cell, tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch
+    cell: Cell, tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, fork_server: ForkServer
 ) -> None:
-    _run(cell, tmp_path, uninterrupted, monkeypatch)
+    _run(cell, tmp_path, uninterrupted, monkeypatch, fork_server)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", SLOW, ids=[cell.id for cell in SLOW])
 def test_a_plain_dataloader_continues_exactly_at_every_moment(
-    cell: Cell, tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch
+    cell: Cell, tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, fork_server: ForkServer
 ) -> None:
-    _run(cell, tmp_path, uninterrupted, monkeypatch)
+    _run(cell, tmp_path, uninterrupted, monkeypatch, fork_server)
 
 
 def test_a_loader_that_cannot_be_exact_is_named_at_stop_time(tmp_path: Path) -> None:

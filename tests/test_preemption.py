@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -259,13 +260,15 @@ def _check_stopped(tmp_path: Path, run: str, signum: int, code: int) -> dict:
     return _weights(tmp_path / "lightning_logs" / run / "checkpoints" / "interrupted.ckpt")
 
 
-def _continue(command: list[str], tmp_path: Path, run: str) -> dict:
-    """The same command again: it resumes from interrupted.ckpt and ends normally; its last checkpoint."""
+def _continue(command: list[str], tmp_path: Path, run: str, step: int) -> dict:
+    """The same command again: it resumes from the step where the run stopped (from interrupted.ckpt, or from
+    last.ckpt when Lightning wrote it again as the stopped fit ended) and ends normally; its last checkpoint."""
     (tmp_path / "run.log").write_text("")
     proc = _start(command, tmp_path, _env(tmp_path))
     output = lambda: (tmp_path / "run.log").read_text()  # noqa: E731
     assert _finish(proc) == 0, output()[-4000:]
-    assert "interrupted.ckpt (epoch" in output(), output()[-4000:]
+    resumed = rf"resuming from \S+/(interrupted|last)\.ckpt \(epoch \d+, step {step}\)"
+    assert re.search(resumed, output()), output()[-4000:]
     return _weights(tmp_path / "lightning_logs" / run / "checkpoints" / "last.ckpt")
 
 
@@ -291,7 +294,7 @@ def test_sigterm_during_validation_finishes_it_stops_and_the_same_command_finish
     step = _wait_for_mark(tmp_path / "steps.txt", "val", proc)  # the first validation batch after epoch 0
     code, seconds = _signal_and_finish(proc, signal.SIGTERM)
     assert step == 8 and _check_stopped(tmp_path, "val", signal.SIGTERM, code)["global_step"] == 8
-    assert _continue(command, tmp_path, "val")["global_step"] == 16
+    assert _continue(command, tmp_path, "val", step=8)["global_step"] == 16
     print(f"\nSIGTERM in validation: exit {code} {seconds:.2f} s after the signal; the same command ends at step 16")
 
 
@@ -303,7 +306,7 @@ def test_sigterm_after_the_last_step_exits_143_and_the_same_command_trains_no_mo
     code, seconds = _signal_and_finish(proc, signal.SIGTERM)
     assert step == 16 and _check_stopped(tmp_path, "end", signal.SIGTERM, code)["global_step"] == 16
     trained = len(_steps(tmp_path / "steps.txt"))
-    assert _continue(command, tmp_path, "end")["global_step"] == 16
+    assert _continue(command, tmp_path, "end", step=16)["global_step"] == 16
     assert len(_steps(tmp_path / "steps.txt")) == trained, "the continued run trained again"
     print(f"\nSIGTERM after the last step: exit {code} {seconds:.2f} s after the signal; the same command trains none")
 
@@ -316,7 +319,7 @@ def test_ctrl_c_writes_a_checkpoint_exits_130_and_the_same_command_continues(tmp
     code, seconds = _signal_and_finish(proc, signal.SIGINT)
     stopped_at = _check_stopped(tmp_path, "ctrl-c", signal.SIGINT, code)["global_step"]
     assert 3 <= stopped_at < 8
-    assert _continue(command, tmp_path, "ctrl-c")["global_step"] == 16
+    assert _continue(command, tmp_path, "ctrl-c", step=stopped_at)["global_step"] == 16
     print(f"\nCtrl-C: exit {code} {seconds:.2f} s after the signal at step {stopped_at}; the same command ends at 16")
 
 
