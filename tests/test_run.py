@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import pytest
 from template.engine.checkpoints import newest
 from template.engine.errors import ConfigError
 from template.engine.loggers import CSVLogger
-from template.engine.run import run_name
+from template.engine.run import claim, release, run_name
 
 
 @pytest.mark.parametrize(
@@ -67,3 +71,33 @@ def test_resumed_csv_log_keeps_rows_before_the_first_new_step(tmp_path: Path) ->
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4, 5, 6]
     assert [float(r["loss"]) for r in rows] == [0, 1, 2, 3, 14, 15, 16]
+
+
+def test_a_killed_runs_forked_workers_do_not_keep_its_folder_locked(tmp_path: Path) -> None:
+    """A run SIGKILLed while its DataLoader workers (forked children) live on: the same command at once claims the
+    folder (before: "already running in another process" until the workers noticed, up to 5 s later)."""
+    script = (
+        "import multiprocessing, os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from template.engine.run import claim\n"
+        "claim(sys.argv[1], 'r', '--run.name')\n"
+        "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))\n"
+        "worker.start()\n"
+        "Path(sys.argv[2]).write_text(str(worker.pid))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    folder, pid_file = tmp_path / "r", tmp_path / "worker.pid"
+    # No pipes: the worker would hold them open, and waiting for their end would wait for the worker.
+    killed = subprocess.Popen(
+        [sys.executable, "-c", script, str(folder), str(pid_file)], stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    assert killed.wait(timeout=120) == -signal.SIGKILL
+    worker = int(pid_file.read_text())
+    try:
+        os.kill(worker, 0)  # the worker still runs
+        assert claim(folder, "r", "--run.name") is not None
+    finally:
+        release()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)

@@ -214,6 +214,9 @@ class RunFolder:
         self.trainer: Trainer | None = None
 
 
+_forks_drop_the_lock = False
+
+
 def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFolder | None:
     """Create ``directory`` if needed and lock it for this process; a ConfigError when another process has it.
 
@@ -237,6 +240,12 @@ def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFol
             "or stop it, or start this one under another --run.name"
         ) from None
     RunFolder.claimed = RunFolder(directory, created, handle, times)
+    global _forks_drop_the_lock
+    if not _forks_drop_the_lock:
+        # A forked child (a DataLoader worker) shares the lock; a SIGKILLed run's workers live on for seconds and
+        # would refuse the same command started again at once (torchrun's restart): the lock is this process's alone.
+        os.register_at_fork(after_in_child=release)
+        _forks_drop_the_lock = True
     return RunFolder.claimed
 
 
