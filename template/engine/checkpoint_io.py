@@ -11,7 +11,7 @@ from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from template.engine.atomic import atomic_torch_save
-from template.engine.errors import disk_error
+from template.engine.errors import disk_errors
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -23,15 +23,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             # Remote stores (s3://, gs://...) have their own atomic uploads; Lightning's path handles them.
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        try:
+        # The temporary is gone and the previous file untouched (atomic_write): say so in one line.
+        with disk_errors(path, kept="any previous checkpoint there is intact"):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(checkpoint, path)
-        except OSError as err:
-            # The temporary is gone and the previous file untouched (atomic_write): say so in one line.
-            error = disk_error(err, path, kept="any previous checkpoint there is intact")
-            if error is None:
-                raise
-            raise error from None
 
     def load_checkpoint(
         self,

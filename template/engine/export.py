@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from template.engine import checkpoints
 from template.engine.atomic import atomic_torch_save
-from template.engine.errors import ConfigError, disk_error
+from template.engine.errors import ConfigError, disk_errors
 
 # Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
 DEFAULT_PREFIX = "net."
@@ -71,15 +71,10 @@ def export(checkpoint_path: str | os.PathLike, output: str | os.PathLike, prefix
     state = extract_state_dict(checkpoints.load(checkpoint_path), prefix, source=f"'{checkpoint_path}'")
     if output.resolve() == Path(checkpoint_path).resolve():
         raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
-    try:
+    # atomic: nothing is left at --output (the temporary is removed, a previous file untouched).
+    with disk_errors(output, kept="nothing was written at --output", option="--output"):
         output.parent.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(state, output)
-    except OSError as err:
-        # atomic: nothing is left at --output (the temporary is removed, a previous file untouched).
-        error = disk_error(err, output, kept="nothing was written at --output", option="--output")
-        if error is None:
-            raise
-        raise error from None
     return output
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,12 +20,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from template.engine import checkpoints
 from template.engine.internals import cluster_environment, stop_as_on_sigterm
+from template.engine.jobs import requeue_slurm_job
 from template.engine.resume import exact_resume_point
 
 INTERRUPTED = "interrupted.ckpt"
 # The handlers in place before a run installed its own, restored when the command ends.
 _BEFORE_THE_RUN: dict[int, Any] = {}
-_REQUEUE_TIMEOUT = 60  # seconds; scontrol answers in well under a second on a healthy controller
 
 
 class Preemption(Callback):
@@ -232,13 +231,7 @@ def _requeue(trainer: Trainer) -> bool:
     """Rank zero asks SLURM to put this job back in the queue; True when it accepted."""
     if not trainer.is_global_zero:
         return True
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    job = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
-    try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=_REQUEUE_TIMEOUT)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        rank_zero_warn(f"scontrol requeue {job} failed ({err}); resubmit the same sbatch command to continue")
-        return False
-    if done.returncode != 0:
-        rank_zero_warn(f"scontrol requeue {job} failed: {done.stderr.strip()}; resubmit the same command to continue")
-    return done.returncode == 0
+    failure = requeue_slurm_job()
+    if failure is not None:
+        rank_zero_warn(f"{failure}; resubmit the same sbatch command to continue")
+    return failure is None

@@ -52,49 +52,42 @@ KNOWN_SAMPLERS = (
 )
 
 
-def capture_states(generators: list[torch.Generator], epoch_samplers: list[Any]) -> dict[str, Any]:
-    """The random states a sampler can draw from, in plain types and tensors (weights-only loadable)."""
+def global_states() -> dict[str, Any]:
+    """The global torch, Python and NumPy random states, in plain types and tensors (weights-only loadable)."""
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": [version, list(internal), gauss],
-        "numpy": None,
-        "generators": [generator.get_state() for generator in generators],
-        "epochs": [int(getattr(sampler, "epoch", 0)) for sampler in epoch_samplers],
-    }
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss], "numpy": None}
     if np is not None:
         algorithm, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [
-            str(algorithm),
-            torch.from_numpy(keys.astype(np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ]
+        # Plain types only: a numpy array in a checkpoint breaks torch.load(weights_only=True).
+        keys = torch.from_numpy(keys.astype(np.int64))
+        state["numpy"] = [str(algorithm), keys, int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def restore_global_states(state: dict[str, Any]) -> None:
+    """Put back what ``global_states`` recorded (a training step's dropout draws from these)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if np is not None and state["numpy"] is not None:
+        algorithm, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def capture_states(generators: list[torch.Generator], epoch_samplers: list[Any]) -> dict[str, Any]:
+    """The random states a sampler can draw from: the global ones, its own generators, its epoch."""
+    state = global_states()
+    state["generators"] = [generator.get_state() for generator in generators]
+    state["epochs"] = [int(getattr(sampler, "epoch", 0)) for sampler in epoch_samplers]
     return state
 
 
 def restore_states(state: dict[str, Any], generators: list[torch.Generator], epoch_samplers: list[Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if np is not None and state["numpy"] is not None:
-        algorithm, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    restore_global_states(state)
     for generator, saved in zip(generators, state["generators"], strict=True):
         generator.set_state(saved)
     for sampler, epoch in zip(epoch_samplers, state["epochs"], strict=True):
         sampler.set_epoch(epoch)
-
-
-def _restore_global(state: dict[str, Any]) -> None:
-    """The global generators only (a training step's dropout draws from these); samplers' own are left alone."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if np is not None and state["numpy"] is not None:
-        algorithm, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 class ResumableIndexSampler(Sampler):
@@ -144,7 +137,7 @@ class ResumableIndexSampler(Sampler):
             # then from the states training is at (restored at the first item).
             self._after_seed = capture_states(self.generators, self.epoch_samplers)
             self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
-            _restore_global(self.at_iterator)
+            restore_global_states(self.at_iterator)
             for generator, state in zip(self.generators, self.at_iterator["generators"], strict=True):
                 generator.set_state(state)
             return
@@ -152,7 +145,7 @@ class ResumableIndexSampler(Sampler):
         if self._resume is not None:
             # The workers' base seed is drawn from the state it was drawn from in the uninterrupted run.
             at_iterator = self._resume[0]
-            _restore_global(at_iterator)
+            restore_global_states(at_iterator)
             for generator, state in zip(self.generators, at_iterator["generators"], strict=True):
                 generator.set_state(state)
         elif new or self.at_iterator is None:
@@ -166,7 +159,7 @@ class ResumableIndexSampler(Sampler):
             return
         if self._after_seed is not None:
             after, self._after_seed = self._after_seed, None
-            _restore_global(after)
+            restore_global_states(after)
             for generator, state in zip(self.generators, after["generators"], strict=True):
                 generator.set_state(state)
         self.at_order = capture_states(self.generators, self.epoch_samplers)
@@ -190,7 +183,7 @@ class ResumableIndexSampler(Sampler):
             pass
         self.at_iterator, self.at_order = at_iterator, at_order
         # The global generators go on from where training is; the sampler's own from where its order left them.
-        _restore_global(now)
+        restore_global_states(now)
         if done == 0 and first is not None:
             yield first
         yield from iterator

@@ -3,7 +3,6 @@ and checkpoints written on the way (a stop, a periodic save) are written only wh
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import torch
@@ -15,12 +14,13 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from template.engine import internals
-from template.engine.resumable_loader import make_resumable, not_resumable_reason, wrapped
-
-try:
-    import numpy as np
-except ImportError:  # numpy is optional for torch; without it there is no NumPy generator to save
-    np = None
+from template.engine.resumable_loader import (
+    global_states,
+    make_resumable,
+    not_resumable_reason,
+    restore_global_states,
+    wrapped,
+)
 
 
 def exact_resume_point(trainer: Trainer) -> bool:
@@ -239,28 +239,14 @@ def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | Non
 
 
 def _collect(loaders: list[DataLoader]) -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": [version, list(internal), gauss],
-        "numpy": None,
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
-        "samplers": [g.get_state() if g is not None else None for g in _sampler_generators(loaders)],
-    }
-    if np is not None:
-        algorithm, keys, pos, has_gauss, cached = np.random.get_state()
-        # Plain types only: a numpy array in a checkpoint breaks torch.load(weights_only=True).
-        keys = torch.from_numpy(keys.astype(np.int64))
-        state["numpy"] = [str(algorithm), keys, int(pos), int(has_gauss), float(cached)]
+    state = global_states()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    state["cuda"] = torch.cuda.get_rng_state_all() if cuda else None
+    state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
     return state
 
 
 def _restore(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if np is not None and state["numpy"] is not None:
-        algorithm, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    restore_global_states(state)
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import signal
 import subprocess
 import sys
@@ -18,8 +17,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from template.engine.errors import ConfigError
 from template.engine.internals import launched_children, process_group_timeout, set_process_group_timeout
-
-_PR_SET_PDEATHSIG = 1
+from template.engine.jobs import die_with_parent
 
 
 class HangWatchdog(Callback):
@@ -53,7 +51,7 @@ class HangWatchdog(Callback):
         if trainer.local_rank > 0 and launched_children(trainer) is None:
             # A child rank dies with the process that started it (Lightning's launcher, torchrun's agent), even
             # when that one is SIGKILLed and runs no cleanup: a hung child would otherwise live on as an orphan.
-            _die_with_parent()
+            die_with_parent()
         if dist.is_available() and dist.is_initialized():
             end_process_group_at_exit()
 
@@ -112,12 +110,3 @@ def end_process_group_at_exit() -> None:
 def _end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent exits; elsewhere this is a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import math
@@ -24,6 +23,7 @@ from optuna.trial import TrialState
 
 from template.engine.atomic import atomic_write
 from template.engine.errors import ConfigError
+from template.engine.jobs import die_with_parent, requeue_slurm_job
 from template.engine.sweep.fitconfig import FitConfigs, trial_config
 from template.engine.sweep.options import Param, Sweep
 from template.engine.sweep.reporter import NOT_LOGGED, REPORTS
@@ -31,7 +31,6 @@ from template.engine.sweep.reporter import NOT_LOGGED, REPORTS
 _POLL = 0.1  # seconds between looks at the running trials
 _STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a dead worker
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-_PR_SET_PDEATHSIG = 1
 _HELD_LOCKS: list[int] = []
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
 
@@ -110,17 +109,13 @@ class Driver:
 
     def _stop(self) -> int:
         """Stop the trials with their checkpoints; they stay running in the study and the same command continues."""
-        for running in self.running.values():
-            with contextlib.suppress(ProcessLookupError):
-                running.process.send_signal(signal.SIGTERM)
-        for running in self.running.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                running.process.wait(timeout=600)
-            running.log.close()
+        self._terminate_all(None)
         name = signal.Signals(self.stop_signal).name
         print(f"Sweep {self.sweep.name}: stopped on {name}; run the same command to continue", file=sys.stderr)
         if self.stop_signal == signal.SIGUSR1 and os.environ.get("SLURM_JOB_ID"):
-            _requeue()
+            failure = requeue_slurm_job()
+            if failure is not None:
+                print(f"Sweep {self.sweep.name}: {failure}; submit the same command again to continue", file=sys.stderr)
         return 128 + self.stop_signal
 
     # -- choosing the next trial -----------------------------------------------------------------------------------
@@ -225,7 +220,7 @@ class Driver:
                 self._end(running, "pruned")
                 return
 
-    def _end(self, running: Running, why: str) -> None:
+    def _end(self, running: Running, why: str | None) -> None:
         """Stop the trial between two steps: its SIGTERM handler writes a checkpoint first."""
         running.ending = why
         with contextlib.suppress(ProcessLookupError):
@@ -311,7 +306,8 @@ class Driver:
         failed = [t for t in trials if t.state == TrialState.FAIL and "reason" in t.user_attrs]
         return f"trial {failed[-1].number}: {failed[-1].user_attrs['reason']}" if failed else "?"
 
-    def _terminate_all(self, why: str) -> None:
+    def _terminate_all(self, why: str | None) -> None:
+        """Stop every trial between two steps and wait for it; ``why`` None leaves them running in the study."""
         for running in self.running.values():
             self._end(running, why)
         for running in self.running.values():
@@ -386,12 +382,4 @@ def _short(value: Any) -> str:
 
 def _dies_with_us() -> None:
     """A trial gets SIGTERM (and so writes its checkpoint) when the driver dies, instead of running on unowned."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _requeue() -> None:
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    job = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        subprocess.run(["scontrol", "requeue", job], capture_output=True, timeout=60)
+    die_with_parent(signal.SIGTERM)
