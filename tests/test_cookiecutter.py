@@ -98,6 +98,41 @@ def leftovers(project: Path) -> list[str]:
     ]
 
 
+# A Markdown link or image: [text](target) or ![alt](target); the target up to a space or the closing parenthesis.
+MARKDOWN_LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)[^)]*\)")
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced code blocks, where brackets are code, not links."""
+    return re.sub(r"(?ms)^ *(```|~~~).*?^ *\1[^\n]*$", "", text)
+
+
+def broken_links(project: Path) -> list[str]:
+    """Relative links in the README and docs/ whose file, or heading anchor, does not exist in ``project``."""
+    pages = [project / "README.md", *sorted((project / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in MARKDOWN_LINK.findall(_prose(page.read_text(encoding="utf-8"))):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(project)}: {target}"
+            if not linked.exists():
+                broken.append(where)
+            elif anchor and linked.suffix == ".md":
+                headings = re.findall(r"(?m)^#{1,6} +(.+?) *$", _prose(linked.read_text(encoding="utf-8")))
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{where} (no such heading)")
+    return broken
+
+
 @pytest.fixture(scope="module")
 def default_bake(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return bake(tmp_path_factory.mktemp("default"))
@@ -192,6 +227,14 @@ def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) 
     told = [f"{path.relative_to(project)}: {m.group(0)!r}" for path, text in text_files(project).items()
             for m in re.finditer(r"(?i)cookiecutter|cruft|\bbak(?:e|ed|ing)\b|\brenamed by\b", text)]  # fmt: skip
     assert told == []
+    # The docs/ pages come along, without this repository's own results and the page on baking.
+    assert (project / "docs" / "strategies.md").is_file() and not (project / "docs" / "results").exists()
+    assert not list(project.rglob("*cookiecutter*"))
+    assert broken_links(project) == []
+
+
+def test_links_in_the_readme_and_docs_resolve() -> None:
+    assert broken_links(REPO) == []
 
 
 def test_custom_bake_carries_the_answers(custom_bake: Path) -> None:
