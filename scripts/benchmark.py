@@ -41,7 +41,7 @@ PACKAGE = template.__name__
 SCRIPTS = Path(__file__).resolve().parent
 MODULE = Path(__file__).stem  # how child processes import this file: it is on their PYTHONPATH
 
-# Seed 001's setting in miniature: the small MLP of the per-step overhead notes, with synthetic in-memory data.
+# A small MLP on synthetic in-memory data: a workload where the per-step overhead of the machinery shows.
 MLP_WORKLOAD = """\
 # A 784-256-10 MLP, batch 64, on synthetic in-memory data (written by scripts/benchmark.py).
 model:
@@ -620,7 +620,7 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Throughput against devices, one line per strategy and one panel per workload, like seed 001's figure."""
+    """Throughput against devices, one line per strategy and one panel per workload."""
     plt = _pyplot()
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     figure, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)

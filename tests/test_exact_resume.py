@@ -372,7 +372,7 @@ def test_every_moment_signal_and_configuration_continues_exactly(
 
 
 def test_the_matrix_covers_what_it_promises() -> None:
-    """The README's figures: the moments, signals and configurations of the matrix."""
+    """The figures of docs/reliability.md: the moments, signals and configurations of the matrix."""
     cells = FAST + SLOW
     assert len({cell.id for cell in cells}) == len(cells), "two cells with one id"
     assert {cell.signal for cell in cells} == {"SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL"}

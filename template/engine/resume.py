@@ -121,7 +121,7 @@ class RNGStateCheckpoint(Callback):
                 rank_zero_info(
                     f"Not exact: training loader {index} ({name}) cannot be put back at batch {done} of epoch "
                     f"{trainer.current_epoch}: {reason}; the restart reads this epoch's data again from its start "
-                    f"(about {done} batches read twice, as many not read). README: Exact at any step."
+                    f"(about {done} batches read twice, as many not read). See docs/reliability.md, Exact at any step."
                 )
 
     def state_dict(self) -> dict[str, Any]:
