@@ -18,51 +18,41 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _TYPES = ("float", "int", "categorical")
 
 
+@dataclass
 class Sweep:
-    """The ``sweep`` section: a hyper-parameter search whose trials are ``fit`` runs of the rest of the config."""
+    """The ``sweep`` section: a hyper-parameter search whose trials are ``fit`` runs of the rest of the config.
 
-    def __init__(
-        self,
-        name: str,
-        space: dict[str, dict[str, Any]],
-        n_trials: int = 20,
-        workers: int = 1,
-        storage: str | None = None,
-        objective: str | None = None,
-        direction: Literal["minimize", "maximize"] | None = None,
-        sampler: Literal["tpe", "random"] = "tpe",
-        seed: int | None = 0,
-        pruner: Literal["median", "hyperband", "none"] = "median",
-        max_failures: int = 3,
-        heartbeat: float = 30.0,
-        enqueue: list[dict[str, Any]] | None = None,
-    ) -> None:
-        """``name``: the study, and its folder ``lightning_logs/<name>/``.
+    Args:
+        name: the study, and its folder ``lightning_logs/<name>/``.
+        space: option -> ``{type: float|int, low, high, log, step}`` or ``{type: categorical, choices}``.
+        n_trials: trials that finish (complete or pruned); failed ones are replaced.
+        workers: trials at once in this process.
+        storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``,
+            ``mysql://...``, ``sqlite:///...``) or the path of a journal file on a shared disk.
+        objective: the metric a trial scores (its best value); default ``checkpoint.monitor``.
+        direction: minimize or maximize the objective; default from ``checkpoint.mode``.
+        sampler: Optuna's TPE or random sampler.
+        seed: the proposals are a function of the seed and the trial number; null for fresh ones each start.
+        pruner: Optuna's median or hyperband pruner on the value at each validation, or none.
+        max_failures: failed trials in a row that stop the sweep.
+        heartbeat: seconds between a running trial's heartbeats in a database storage; a trial silent for 4
+            heartbeats (its worker died) is failed and run again from its checkpoint by the next worker.
+        enqueue: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
+    """
 
-        ``space``: option -> ``{type: float|int, low, high, log, step}`` or ``{type: categorical, choices}``.
-        ``n_trials``: trials that finish (complete or pruned); failed ones are replaced. ``workers``: trials at once
-        in this process. ``storage``: null for a journal file in the sweep folder, an Optuna database URL
-        (``postgresql://...``, ``mysql://...``, ``sqlite:///...``) or the path of a journal file on a shared disk.
-        ``objective``/``direction``: default ``checkpoint.monitor`` and ``checkpoint.mode``; a trial scores its best
-        value. ``sampler``/``seed``: Optuna's TPE or random sampler. ``pruner``: Optuna's median or hyperband
-        pruner on the value at each validation, or none. ``max_failures``: failed trials in a row that stop the
-        sweep. ``heartbeat``: seconds between a running trial's heartbeats in a database storage; a trial silent for
-        4 heartbeats (its worker died) is failed and run again from its checkpoint by the next worker.
-        ``enqueue``: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
-        """
-        self.name = name
-        self.space = space
-        self.n_trials = n_trials
-        self.workers = workers
-        self.storage = storage
-        self.objective = objective
-        self.direction = direction
-        self.sampler = sampler
-        self.seed = seed
-        self.pruner = pruner
-        self.max_failures = max_failures
-        self.heartbeat = heartbeat
-        self.enqueue = enqueue
+    name: str
+    space: dict[str, dict[str, Any]]
+    n_trials: int = 20
+    workers: int = 1
+    storage: str | None = None
+    objective: str | None = None
+    direction: Literal["minimize", "maximize"] | None = None
+    sampler: Literal["tpe", "random"] = "tpe"
+    seed: int | None = 0
+    pruner: Literal["median", "hyperband", "none"] = "median"
+    max_failures: int = 3
+    heartbeat: float = 30.0
+    enqueue: list[dict[str, Any]] | None = None
 
 
 @dataclass
