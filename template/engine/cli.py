@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -182,7 +183,7 @@ class CLI(LightningCLI):
         print_config = internals.print_config_action()
         # --print_config prints below, once the configuration is what the run will use.
         with print_config.skip_print_config():
-            super().parse_arguments(parser, args)
+            self._parse(parser, args)
             subcommand = self.config.get("subcommand")
             chosen = _chosen_classes(self.config[subcommand] if subcommand else self.config)
             if chosen and subcommand:
@@ -190,10 +191,15 @@ class CLI(LightningCLI):
                 # DataModule would train with the digits' batch_size): with that class as the default it gets its own
                 # signature's defaults and only what the configs set.
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in chosen.items()})
-                super().parse_arguments(parser, args)
+                self._parse(parser, args)
         _check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
         settle(self.config[subcommand] if subcommand else self.config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
+
+    def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
+        # LightningCLI.parse_arguments without its warning that `args` and sys.argv are both given: `args` reach this
+        # command line only from Python (a sweep building each trial's config, a test), where they are the ones meant.
+        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -261,6 +267,8 @@ class CLI(LightningCLI):
                 file=sys.stderr,
             )
         _claim_run_folder(self.trainer, config, subcommand)
+        if subcommand == "fit":
+            checkpoints.resuming_in_place(self.trainer, config.get("ckpt_path"))
         join_restarted_group(self.trainer)
         for callback in self.trainer.callbacks:
             if isinstance(callback, BatchScaling):

@@ -138,7 +138,8 @@ class PeriodicCheckpoint(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step >= self._due and exact_resume_point(trainer):
-            trainer.save_checkpoint(Path(checkpoints.directory(trainer)) / self.FILENAME)
+            # A full training state, as ModelCheckpoint writes; Lightning logs a line when weights_only is left unset.
+            trainer.save_checkpoint(Path(checkpoints.directory(trainer)) / self.FILENAME, weights_only=False)
             self._due = (trainer.global_step // self.every + 1) * self.every
 
 
