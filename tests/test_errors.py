@@ -41,6 +41,8 @@ CASES = {
     "misspelt-yaml-key": (["--config", "typo.yaml"], ["max_epocs", "spelling"]),
     "missing-config-file": (["--config", "nope.yaml"], ["nope.yaml", "--config"]),
     "malformed-yaml": (["--config", "broken.yaml"], ["broken.yaml", "line 3", "fix the syntax"]),
+    "empty-config-file": (["--config", "blank.yaml"], ["'blank.yaml' is empty", "key: value"]),
+    "comments-only-config-file": (["--config", "comments.yaml"], ["'comments.yaml' is empty (or only comments)"]),
     "missing-checkpoint": (["--ckpt_path", "nope.ckpt"], ["nope.ckpt", "--ckpt_path"]),
     "corrupt-checkpoint": (["--ckpt_path", "corrupt.ckpt"], ["corrupt.ckpt", "complete"]),
     "truncated-checkpoint": (["--ckpt_path", "truncated.ckpt"], ["truncated.ckpt", "complete"]),
@@ -125,6 +127,8 @@ def _workspace(root: Path) -> None:
     (root / "typo.yaml").write_text("trainer:\n  max_epocs: 3\n")
     (root / "listed.yaml").write_text("trainer:\n  - max_epochs: 300\n")
     (root / "broken.yaml").write_text("trainer:\n  max_epochs: [1\n  devices: 1\n")
+    (root / "blank.yaml").write_text("")
+    (root / "comments.yaml").write_text("# trainer:\n#   max_epochs: 3\n")
     (root / "corrupt.ckpt").write_bytes(b"this is not a checkpoint")
     whole = (checkpoints / "last.ckpt").read_bytes()
     (root / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])

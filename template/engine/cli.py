@@ -378,7 +378,7 @@ class _attribute:  # noqa: N801 - used like a function in the links above
 
 
 def _check_yaml_files(argv: list[str]) -> dict[str, Any]:
-    """The ``--config`` files' contents by path; a ConfigError naming the first that is not valid YAML."""
+    """The ``--config`` files' contents by path; a ConfigError naming the first that is empty or not valid YAML."""
     paths = [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     files = {}
@@ -393,6 +393,12 @@ def _check_yaml_files(argv: list[str]) -> dict[str, Any]:
             problem = getattr(err, "problem", None) or one_line(err)
             message = f"config file '{path}' is not valid YAML: {problem}{where}; fix the syntax there"
             raise ConfigError(message) from None
+        if files[path] is None:
+            # jsonargparse refuses it with "Unexpected config:", naming no file.
+            raise ConfigError(
+                f"config file '{path}' is empty (or only comments); write its options in it as `key: value` lines "
+                "(e.g. `trainer:` then `  max_epochs: 10`), or leave it out of the command"
+            )
     return files
 
 
