@@ -67,6 +67,17 @@ CASES = {
     # A folder the disk refuses: exit code 3, as for every failure of the disk.
     "data-dir-is-a-file": (["--data.init_args.data_dir=afile"], ["afile", "is a file, not a folder", "data_dir"]),
     "data-dir-not-writable": ([f"--data.init_args.data_dir={UNWRITABLE}"], [UNWRITABLE, "--data.data_dir"]),
+    # Found before training, not at the first checkpoint an epoch later.
+    "checkpoint-dirpath-is-a-file": (
+        ["--checkpoint.dirpath=afile/ckpts"],
+        ["afile' is a file, not a folder", "choose another --checkpoint.dirpath"],
+    ),
+    "checkpoint-dirpath-not-writable": ([f"--checkpoint.dirpath={UNWRITABLE}"], [UNWRITABLE, "--checkpoint.dirpath"]),
+    # A folder the command created for the checkpoints goes again when a mistake stops it before training.
+    "misspelt-monitor-with-new-checkpoint-dirpath": (
+        ["--checkpoint.dirpath=new/ckpts", "--checkpoint.monitor=val_accuracy"],
+        ["val_accuracy", "--checkpoint.monitor="],
+    ),
     "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
@@ -114,7 +125,9 @@ CASES = {
     ),
 }
 MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": GPU}
-EXIT_CODES = {"data-dir-is-a-file": 3, "data-dir-not-writable": 3}  # else 2
+# A folder the disk refuses: 3, as for every failure of the disk; else 2.
+DISK_CASES = ["data-dir-is-a-file", "data-dir-not-writable", "checkpoint-dirpath-is-a-file"]
+EXIT_CODES = dict.fromkeys([*DISK_CASES, "checkpoint-dirpath-not-writable"], 3)
 
 
 def _workspace(root: Path) -> None:

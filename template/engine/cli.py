@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
+from fsspec.utils import get_protocol
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -53,6 +54,7 @@ from template.engine.run import (
     claim,
     continue_run,
     discard_unstarted,
+    prepare_folder,
     release,
     run_dir,
     run_folder_arguments,
@@ -324,7 +326,13 @@ def settle(config: Any, subcommand: str | None) -> None:
 
 
 def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
-    """Create the run's folder, prove it writable and lock it for this process, before anything is written there."""
+    """Create the run's folder (and a checkpoint folder of the user's), prove it writable and lock it for this process,
+    before anything is written there."""
+    dirpath = config.get("checkpoint.dirpath") if subcommand == "fit" else None
+    if dirpath is not None and get_protocol(str(dirpath)) == "file":
+        # The checkpoints' own folder, chosen by the user: a first checkpoint an epoch later must not be the one to
+        # find it cannot be written. Remote stores (s3://...) are left to their own client.
+        prepare_folder(dirpath, "--checkpoint.dirpath")
     name = run_name(config.get("run.name")) if subcommand == "fit" else None
     if name is None and (not trainer.loggers or trainer.log_dir is None):
         # Without a name or a logger there is no run folder of its own, only the root that checkpoints go to.
