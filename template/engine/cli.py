@@ -214,6 +214,7 @@ class CLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
+            return
         except Exception as err:
             # jsonargparse wraps a ConfigError raised by a model or DataModule constructor in its own message.
             cause = config_error_in(err)
@@ -225,9 +226,17 @@ class CLI(LightningCLI):
             option = blame.option_being_built(err, config)
             values = blame.leaves(config, f"{option}.init_args" if option else "")
             refused = blame.refusal(err, option or "the configuration", values)
-            if refused is None:
+            if refused is not None:
+                raise refused from None
+            # The user's own class refused its values: their exception and traceback, after a line naming the option.
+            own = blame.users_exception(err) if option is not None else None
+            if own is None:
                 raise
-            raise refused from None
+            class_path = blame.leaves(config, option).get(f"{option}.class_path")  # option: trainer.callbacks[0] too
+            values = {**values, **blame.linked_arguments(err, option, class_path, values)}
+            blame.building(own, option, class_path, values)
+        # Raised outside the except block, the user's exception is not chained to jsonargparse's wrapper around it.
+        raise own
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
