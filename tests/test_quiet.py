@@ -84,7 +84,7 @@ def test_the_sweep_parses_trial_configs_without_the_args_warning(monkeypatch: py
 def test_a_one_trial_sweep_prints_no_library_warning(run_cli, tmp_path: Path) -> None:  # noqa: ANN001
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     space = "    model.optimizer.init_args.lr: {type: categorical, choices: [0.01]}\n"
-    (tmp_path / "s.yaml").write_text(f"sweep:\n  name: s\n  n_trials: 1\n  pruner: none\n  space:\n{space}")
+    (tmp_path / "s.yaml").write_text(f"sweep:\n  name: s\n  n_trials: 1\n  space:\n{space}")
     done = run_cli("sweep", *FIT[1:3], "--config", "s.yaml", *FIT[3:], "--trainer.max_epochs=1", env=_user_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1/1 finished" in done.stdout + done.stderr
