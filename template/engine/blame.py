@@ -199,8 +199,15 @@ def linked_arguments(err: BaseException, option: str, class_path: str | None, gi
             continue
         arguments = inspect.getargvalues(frame)
         received = {f"{option}.init_args.{arg}": arguments.locals.get(arg) for arg in arguments.args[1:]}
-        return {key: value for key, value in received.items() if given.get(key) is None}
+        # Plain values only: a built object (a LightningModule's `net`) is no value to name, its repr no single line.
+        return {key: value for key, value in received.items() if given.get(key) is None and _plain(value)}
     return {}
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(item) for item in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def leaves(config: Any, prefix: str) -> dict[str, Any]:
@@ -257,7 +264,8 @@ def _built_from(err: BaseException) -> str:
     named = _options_named_in(reason, built.values) or _elements_named_in(reason, built.values)
     what = f"{built.option} ({built.class_path})" if built.class_path else built.option
     if named:
-        return f"{' and '.join(f'{name}={built.values[name]!r}' for name in named)} refused while building {what}: "
+        values = " and ".join(f"{name}={built.values[name]!r:.200}" for name in named)
+        return f"{values} refused while building {what}: "
     given = ", ".join(f"{k.rsplit('.', 1)[-1]}={v!r}" for k, v in built.values.items() if v is not None)[:300]
     return f"{what} could not be built from {given or 'its defaults'}: "
 
