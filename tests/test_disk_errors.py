@@ -298,3 +298,14 @@ def test_run_folder_full_after_the_first_checkpoints(tmp_path: Path, data_dir: P
     line = _one_line(done.returncode, done.stderr, 3, tmp_path / "runs/lightning_logs/disk/checkpoints", errno.ENOSPC)
     assert "(any previous checkpoint there is intact)" in line
     assert _left(done) == [], done.stdout
+
+
+@NAMESPACE
+def test_a_checkpoint_dirpath_on_a_read_only_disk_is_refused_before_training(tmp_path: Path, data_dir: Path) -> None:
+    setup = 'mkdir -p "$ROOT/ro" && mount --bind -o ro "$ROOT/ro" "$ROOT/ro"'
+    done = _fit(tmp_path, data_dir, f"--checkpoint.dirpath={tmp_path / 'ro' / 'ckpts'}", setup=setup)
+    line = _one_line(done.returncode, done.stderr, 3, tmp_path / "ro" / "ckpts", errno.EROFS)
+    assert "read-only; set --checkpoint.dirpath to a folder on a writable disk" in line, line
+    # Stopped before the run's folder, its logs or the data were written.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+    assert _left(done) == [], done.stdout

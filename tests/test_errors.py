@@ -41,6 +41,8 @@ CASES = {
     "misspelt-yaml-key": (["--config", "typo.yaml"], ["max_epocs", "spelling"]),
     "missing-config-file": (["--config", "nope.yaml"], ["nope.yaml", "--config"]),
     "malformed-yaml": (["--config", "broken.yaml"], ["broken.yaml", "line 3", "fix the syntax"]),
+    "empty-config-file": (["--config", "blank.yaml"], ["'blank.yaml' is empty", "key: value"]),
+    "comments-only-config-file": (["--config", "comments.yaml"], ["'comments.yaml' is empty (or only comments)"]),
     "missing-checkpoint": (["--ckpt_path", "nope.ckpt"], ["nope.ckpt", "--ckpt_path"]),
     "corrupt-checkpoint": (["--ckpt_path", "corrupt.ckpt"], ["corrupt.ckpt", "complete"]),
     "truncated-checkpoint": (["--ckpt_path", "truncated.ckpt"], ["truncated.ckpt", "complete"]),
@@ -65,6 +67,17 @@ CASES = {
     # A folder the disk refuses: exit code 3, as for every failure of the disk.
     "data-dir-is-a-file": (["--data.init_args.data_dir=afile"], ["afile", "is a file, not a folder", "data_dir"]),
     "data-dir-not-writable": ([f"--data.init_args.data_dir={UNWRITABLE}"], [UNWRITABLE, "--data.data_dir"]),
+    # Found before training, not at the first checkpoint an epoch later.
+    "checkpoint-dirpath-is-a-file": (
+        ["--checkpoint.dirpath=afile/ckpts"],
+        ["afile' is a file, not a folder", "choose another --checkpoint.dirpath"],
+    ),
+    "checkpoint-dirpath-not-writable": ([f"--checkpoint.dirpath={UNWRITABLE}"], [UNWRITABLE, "--checkpoint.dirpath"]),
+    # A folder the command created for the checkpoints goes again when a mistake stops it before training.
+    "misspelt-monitor-with-new-checkpoint-dirpath": (
+        ["--checkpoint.dirpath=new/ckpts", "--checkpoint.monitor=val_accuracy"],
+        ["val_accuracy", "--checkpoint.monitor="],
+    ),
     "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
@@ -112,7 +125,9 @@ CASES = {
     ),
 }
 MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": GPU}
-EXIT_CODES = {"data-dir-is-a-file": 3, "data-dir-not-writable": 3}  # else 2
+# A folder the disk refuses: 3, as for every failure of the disk; else 2.
+DISK_CASES = ["data-dir-is-a-file", "data-dir-not-writable", "checkpoint-dirpath-is-a-file"]
+EXIT_CODES = dict.fromkeys([*DISK_CASES, "checkpoint-dirpath-not-writable"], 3)
 
 
 def _workspace(root: Path) -> None:
@@ -125,6 +140,8 @@ def _workspace(root: Path) -> None:
     (root / "typo.yaml").write_text("trainer:\n  max_epocs: 3\n")
     (root / "listed.yaml").write_text("trainer:\n  - max_epochs: 300\n")
     (root / "broken.yaml").write_text("trainer:\n  max_epochs: [1\n  devices: 1\n")
+    (root / "blank.yaml").write_text("")
+    (root / "comments.yaml").write_text("# trainer:\n#   max_epochs: 3\n")
     (root / "corrupt.ckpt").write_bytes(b"this is not a checkpoint")
     whole = (checkpoints / "last.ckpt").read_bytes()
     (root / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])

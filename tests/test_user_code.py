@@ -176,3 +176,38 @@ def test_an_exception_from_the_users_code_keeps_its_traceback_after_a_line_namin
         main(["fit", "--config", "user.yaml"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(line) and "my_code.py:" in errors[0], errors
+
+
+def test_a_value_the_users_net_refuses_is_named_before_its_traceback(run_cli, tmp_path):
+    # The example net is the user's code: torch refuses the layer size inside MLP.__init__.
+    (tmp_path / "keep.txt").write_text("the user's file")
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    done = run_cli("fit", "--model.net.init_args.hidden_sizes=[-3]", "--trainer.accelerator=cpu")
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    line = lines[errors[0]]
+    assert "model.init_args.net.init_args.hidden_sizes=[-3]" in line and "template.nets.MLP" in line, line
+    assert "MLP.__init__" in line and "its traceback follows" in line, line
+    # Their traceback follows the line, and ends with their exception, not the parser's message about it.
+    assert errors[0] < lines.index("Traceback (most recent call last):"), done.stderr[-3000:]
+    assert lines[-1].startswith("RuntimeError: Trying to create tensor with negative dimension -3"), lines[-1]
+    assert "Does not validate against any of the Union subtypes" not in done.stderr
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before, "the failed command wrote files"
+
+
+def test_a_value_the_users_class_refuses_itself_is_named_with_its_exception(tmp_path, monkeypatch, capsys):
+    from template.engine.cli import main
+
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["template"])
+    # ConvNet raises its own ValueError for the 1-D samples of the user's data (input_shape comes by the data's link).
+    with pytest.raises(ValueError, match=r"ConvNet needs input_shape \(channels, height, width\), got \(5,\)"):
+        main(["fit", "--model.net=template.nets.ConvNet", "--data=my_code.Blobs", "--trainer.accelerator=cpu"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("error: model.init_args.net.init_args.input_shape=[5] refused while building "), errors
+    assert "(template.nets.ConvNet): ValueError raised in your code, ConvNet.__init__ (" in errors[0], errors
+    assert list(tmp_path.iterdir()) == []

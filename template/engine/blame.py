@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import os
 import re
 import sys
@@ -187,6 +188,28 @@ def option_being_built(err: BaseException, config: Any) -> str | None:
     return None
 
 
+def linked_arguments(err: BaseException, option: str, class_path: str | None, given: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``option``'s class that its constructor (on ``err``'s way) received where the ``given``
+    options have none, as ``option.init_args.name`` -> value: jsonargparse applies links (``input_shape`` from the
+    data) to the object being built, not to the parsed config."""
+    name = (class_path or "").rsplit(".", 1)[-1]
+    for frame, _ in reversed(list(_frames(root_cause(err).__traceback__))):
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        if owner is None or name not in {cls.__name__ for cls in type(owner).__mro__}:
+            continue
+        arguments = inspect.getargvalues(frame)
+        received = {f"{option}.init_args.{arg}": arguments.locals.get(arg) for arg in arguments.args[1:]}
+        # Plain values only: a built object (a LightningModule's `net`) is no value to name, its repr no single line.
+        return {key: value for key, value in received.items() if given.get(key) is None and _plain(value)}
+    return {}
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(item) for item in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def leaves(config: Any, prefix: str) -> dict[str, Any]:
     """Every option under a parsed config's ``prefix`` section as ``prefix.a.b`` -> value (the classes in a list
     such as ``trainer.callbacks`` as ``trainer.callbacks[0].init_args.a``)."""
@@ -207,15 +230,68 @@ def _flattened(section: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield f"{prefix}{key}", value
 
 
+def users_exception(err: BaseException) -> BaseException | None:
+    """The outermost exception of ``err``'s chain whose traceback passes through the user's code: theirs, below the
+    libraries' wrappers (jsonargparse's "Does not validate against any of the Union subtypes"); None for none."""
+    for cause in chain(err):
+        if any(is_user_file(frame.f_code.co_filename) for frame, _ in _frames(cause.__traceback__)):
+            return cause
+    return None
+
+
+class _Building:
+    """What was being built when the user's code raised: the option of the class, its values, and the exception."""
+
+    latest: _Building | None = None
+
+    def __init__(self, err: BaseException, option: str, class_path: str | None, values: dict[str, Any]) -> None:
+        self.err, self.option, self.class_path, self.values = err, option, class_path, values
+
+
+def building(err: BaseException, option: str, class_path: str | None, values: dict[str, Any]) -> None:
+    """Remember that ``err`` came from the user's class of ``option`` (``class_path``) built from ``values`` (dotted
+    name -> value): the line before its traceback names them."""
+    _Building.latest = _Building(err, option, class_path, values)
+
+
+def _built_from(err: BaseException) -> str:
+    """``option=value: `` for the value of the class being built that the exception quotes, else the class and all
+    its values; "" when ``err`` was not raised while building a class of the config."""
+    built = _Building.latest
+    if built is None or not any(cause is built.err for cause in chain(err)):
+        return ""
+    reason = one_line(str(root_cause(err)))
+    named = _options_named_in(reason, built.values) or _elements_named_in(reason, built.values)
+    what = f"{built.option} ({built.class_path})" if built.class_path else built.option
+    if named:
+        values = " and ".join(f"{name}={built.values[name]!r:.200}" for name in named)
+        return f"{values} refused while building {what}: "
+    given = ", ".join(f"{k.rsplit('.', 1)[-1]}={v!r}" for k, v in built.values.items() if v is not None)[:300]
+    return f"{what} could not be built from {given or 'its defaults'}: "
+
+
+def _elements_named_in(reason: str, values: dict[str, Any]) -> list[str]:
+    """The one list option with an element the reason quotes (``hidden_sizes=[-3]`` for "negative dimension -3")."""
+    words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", reason)}
+    quoted = [
+        key
+        for key, value in values.items()
+        if isinstance(value, (list, tuple))
+        and any(not isinstance(x, bool) and isinstance(x, (int, float, str)) and str(x) in words for x in value)
+    ]
+    return quoted if len(quoted) == 1 else []
+
+
 def user_code_line(err: BaseException) -> str | None:
     """The line printed before the traceback of an exception that passed through the user's code; None otherwise."""
     caller = user_function_calling(err)
     if caller is None:
         return None
     name = type(root_cause(err)).__name__
+    built = _built_from(err)
     if raised_in_user_code(err) is not None:
-        return f"error: {name} raised in your code, {caller}; its traceback follows"
-    return f"error: {name} raised by a library called from your code, {caller}; its traceback follows"
+        return f"error: {built}{name} raised in your code, {caller}; its traceback follows"
+    return f"error: {built}{name} raised by a library called from your code, {caller}; its traceback follows"
 
 
 def print_user_code_line(err: BaseException) -> None:

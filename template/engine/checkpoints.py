@@ -7,6 +7,8 @@ missing, truncated or foreign file is one ``error:`` line before anything reads 
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -108,3 +110,21 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """The whole checkpoint at ``path`` (any weights-only file: Lightning, exported or plain PyTorch)."""
     check(path, option="the command", lightning=False)
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:
+    """A fit continuing from a checkpoint in the folder it writes its checkpoints to: that folder holds the run's own
+    checkpoints, as expected, and Lightning's warning that it "exists and is not empty" is left out.
+
+    The warning stays for every other folder: a new run writing where another left checkpoints (a reused
+    ``checkpoint.dirpath``) would overwrite its ``last.ckpt``.
+    """
+    if ckpt_path is None or str(ckpt_path) in SPECIAL_PATHS:
+        return
+    folder = directory(trainer)
+    if Path(ckpt_path).resolve().parent != Path(folder).resolve():
+        return
+    # No argument of ModelCheckpoint avoids the warning: its setup warns before every fit in a non-empty folder.
+    warnings.filterwarnings(
+        "ignore", message=rf"Checkpoint directory {re.escape(str(folder))} exists and is not empty\.$"
+    )

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
+from fsspec.utils import get_protocol
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -52,6 +54,7 @@ from template.engine.run import (
     claim,
     continue_run,
     discard_unstarted,
+    prepare_folder,
     release,
     run_dir,
     run_folder_arguments,
@@ -182,7 +185,7 @@ class CLI(LightningCLI):
         print_config = internals.print_config_action()
         # --print_config prints below, once the configuration is what the run will use.
         with print_config.skip_print_config():
-            super().parse_arguments(parser, args)
+            self._parse(parser, args)
             subcommand = self.config.get("subcommand")
             chosen = _chosen_classes(self.config[subcommand] if subcommand else self.config)
             if chosen and subcommand:
@@ -190,10 +193,15 @@ class CLI(LightningCLI):
                 # DataModule would train with the digits' batch_size): with that class as the default it gets its own
                 # signature's defaults and only what the configs set.
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in chosen.items()})
-                super().parse_arguments(parser, args)
+                self._parse(parser, args)
         _check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
         settle(self.config[subcommand] if subcommand else self.config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
+
+    def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
+        # LightningCLI.parse_arguments without its warning that `args` and sys.argv are both given: `args` reach this
+        # command line only from Python (a sweep building each trial's config, a test), where they are the ones meant.
+        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -206,6 +214,7 @@ class CLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
+            return
         except Exception as err:
             # jsonargparse wraps a ConfigError raised by a model or DataModule constructor in its own message.
             cause = config_error_in(err)
@@ -217,9 +226,17 @@ class CLI(LightningCLI):
             option = blame.option_being_built(err, config)
             values = blame.leaves(config, f"{option}.init_args" if option else "")
             refused = blame.refusal(err, option or "the configuration", values)
-            if refused is None:
+            if refused is not None:
+                raise refused from None
+            # The user's own class refused its values: their exception and traceback, after a line naming the option.
+            own = blame.users_exception(err) if option is not None else None
+            if own is None:
                 raise
-            raise refused from None
+            class_path = blame.leaves(config, option).get(f"{option}.class_path")  # option: trainer.callbacks[0] too
+            values = {**values, **blame.linked_arguments(err, option, class_path, values)}
+            blame.building(own, option, class_path, values)
+        # Raised outside the except block, the user's exception is not chained to jsonargparse's wrapper around it.
+        raise own
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -261,6 +278,8 @@ class CLI(LightningCLI):
                 file=sys.stderr,
             )
         _claim_run_folder(self.trainer, config, subcommand)
+        if subcommand == "fit":
+            checkpoints.resuming_in_place(self.trainer, config.get("ckpt_path"))
         join_restarted_group(self.trainer)
         for callback in self.trainer.callbacks:
             if isinstance(callback, BatchScaling):
@@ -316,7 +335,13 @@ def settle(config: Any, subcommand: str | None) -> None:
 
 
 def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
-    """Create the run's folder, prove it writable and lock it for this process, before anything is written there."""
+    """Create the run's folder (and a checkpoint folder of the user's), prove it writable and lock it for this process,
+    before anything is written there."""
+    dirpath = config.get("checkpoint.dirpath") if subcommand == "fit" else None
+    if dirpath is not None and get_protocol(str(dirpath)) == "file":
+        # The checkpoints' own folder, chosen by the user: a first checkpoint an epoch later must not be the one to
+        # find it cannot be written. Remote stores (s3://...) are left to their own client.
+        prepare_folder(dirpath, "--checkpoint.dirpath")
     name = run_name(config.get("run.name")) if subcommand == "fit" else None
     if name is None and (not trainer.loggers or trainer.log_dir is None):
         # Without a name or a logger there is no run folder of its own, only the root that checkpoints go to.
@@ -370,7 +395,7 @@ class _attribute:  # noqa: N801 - used like a function in the links above
 
 
 def _check_yaml_files(argv: list[str]) -> dict[str, Any]:
-    """The ``--config`` files' contents by path; a ConfigError naming the first that is not valid YAML."""
+    """The ``--config`` files' contents by path; a ConfigError naming the first that is empty or not valid YAML."""
     paths = [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     files = {}
@@ -385,6 +410,12 @@ def _check_yaml_files(argv: list[str]) -> dict[str, Any]:
             problem = getattr(err, "problem", None) or one_line(err)
             message = f"config file '{path}' is not valid YAML: {problem}{where}; fix the syntax there"
             raise ConfigError(message) from None
+        if files[path] is None:
+            # jsonargparse refuses it with "Unexpected config:", naming no file.
+            raise ConfigError(
+                f"config file '{path}' is empty (or only comments); write its options in it as `key: value` lines "
+                "(e.g. `trainer:` then `  max_epochs: 10`), or leave it out of the command"
+            )
     return files
 
 

@@ -7,6 +7,7 @@ import csv
 import io
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from template.engine.errors import ConfigError, DiskError, disk_errors
 
 HPARAMS = "hparams.yaml"
 METRICS = "metrics.csv"
+# Lightning's CSV writer, built in a folder that holds files already.
+_LOGS_DELETED = r"Experiment logs directory .* exists and is not empty"
 
 
 class _TimedSave:
@@ -128,7 +131,9 @@ class CSVLogger(_TimedSave, _CSVLogger):
         self._rows_kept = True  # the first call creates Lightning's writer; later calls only return it
         path = Path(self.log_dir) / METRICS
         rows = _read_rows(path)  # Lightning's writer deletes an existing metrics.csv when it starts
-        with self._disk_errors("nothing was written"):
+        with self._disk_errors("nothing was written"), warnings.catch_warnings():
+            # Its warning that the folder's earlier logs "will be deleted" is not true here: the rows are put back.
+            warnings.filterwarnings("ignore", message=_LOGS_DELETED, category=UserWarning)
             writer = super().experiment
         if rows:
             writer.metrics = rows

@@ -147,7 +147,8 @@ class Preemption(Callback):
         path = ""
         if save:
             path = str(Path(checkpoints.directory(trainer)) / INTERRUPTED)
-            trainer.save_checkpoint(path)  # the logs up to this step are written first (LogsBeforeCheckpoints)
+            # weights_only=False: the whole training state (Lightning logs a line when it is not said).
+            trainer.save_checkpoint(path, weights_only=False)  # the logs up to this step are written first
         requeued = signum == _requeue_signal(trainer) and _auto_requeue(trainer) and _requeue(trainer)
         self._stopping = (signum, path, requeued)
         # A stop before any training step (the sanity check) needs no checkpoint: the run's newest one (none on a

@@ -138,7 +138,8 @@ class PeriodicCheckpoint(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step >= self._due and exact_resume_point(trainer):
-            trainer.save_checkpoint(Path(checkpoints.directory(trainer)) / self.FILENAME)
+            # A full training state, as ModelCheckpoint writes; Lightning logs a line when weights_only is left unset.
+            trainer.save_checkpoint(Path(checkpoints.directory(trainer)) / self.FILENAME, weights_only=False)
             self._due = (trainer.global_step // self.every + 1) * self.every
 
 
@@ -222,7 +223,7 @@ def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFol
 
     Only the process of global rank zero claims (the others write nothing there); None in the others.
     """
-    release()  # a command run earlier in this process (a test, a notebook) has ended
+    _unlock()  # a command run earlier in this process (a test, a notebook) has ended
     if not _global_zero():
         return None
     directory = Path(directory).absolute()
@@ -249,8 +250,39 @@ def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFol
     return RunFolder.claimed
 
 
+# Folders a command created for the run besides its own (a ``checkpoint.dirpath`` of the user's), with the times of
+# the folder each was made in: removed with the run's when the command stops before training (``discard_unstarted``).
+_created: list[tuple[Path, tuple | None]] = []
+
+
+def prepare_folder(directory: str | os.PathLike, option: str) -> None:
+    """Create ``directory`` if needed and prove it writable before training; a DiskError naming ``option`` if not.
+
+    What this creates is removed again, leaving the disk as it was, when it cannot be written or the command stops
+    on a mistake before its first training step.
+    """
+    if not _global_zero():
+        return
+    directory = Path(directory).absolute()
+    created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
+    times = _times(created.parent) if created is not None else None
+    try:
+        prove_writable(directory, option)
+    except BaseException:
+        if created is not None:
+            _remove(created, times)
+        raise
+    if created is not None:
+        _created.append((created, times))
+
+
 def release() -> None:
     """Unlock the claimed folder: the command has ended (the process ending does the same)."""
+    _created.clear()
+    _unlock()
+
+
+def _unlock() -> None:
     folder, RunFolder.claimed = RunFolder.claimed, None
     if folder is not None:
         with contextlib.suppress(OSError):
@@ -258,7 +290,14 @@ def release() -> None:
 
 
 def discard_unstarted() -> Path | None:
-    """Remove the folder the claimed run created, when it stopped before its first training step; what was removed."""
+    """Remove the folder the claimed run created, when it stopped before its first training step; what was removed.
+
+    The other folders the command created for it (``prepare_folder``) go too, unless they hold a checkpoint.
+    """
+    others, _created[:] = list(_created), []
+    for created, times in reversed(others):
+        if not any(created.rglob("*.ckpt")):
+            _remove(created, times)
     folder = RunFolder.claimed
     if folder is None or folder.created is None:
         return None
@@ -267,11 +306,16 @@ def discard_unstarted() -> Path | None:
         return None
     if any(folder.created.rglob("*.ckpt")):
         return None
-    shutil.rmtree(folder.created, ignore_errors=True)
-    if folder.parent_times is not None:
-        with contextlib.suppress(OSError):
-            os.utime(folder.created.parent, ns=folder.parent_times)
+    _remove(folder.created, folder.parent_times)
     return folder.created
+
+
+def _remove(created: Path, parent_times: tuple | None) -> None:
+    """Remove a folder this command created, and give the folder it was made in its times back."""
+    shutil.rmtree(created, ignore_errors=True)
+    if parent_times is not None:
+        with contextlib.suppress(OSError):
+            os.utime(created.parent, ns=parent_times)
 
 
 def _times(path: Path) -> tuple[int, int] | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any
 
 import yaml
@@ -39,10 +38,7 @@ class FitConfigs:
 
     def __init__(self, fit_args: list[str]) -> None:
         self.fit_args = list(fit_args)
-        with warnings.catch_warnings():
-            # The sweep's own command line is not the fit's: the arguments given here are the ones that count.
-            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-            self._cli = self._parse(lambda: build_cli(self.fit_args, run=False, cli_class=_ParseOnly), "")
+        self._cli = self._parse(lambda: build_cli(self.fit_args, run=False, cli_class=_ParseOnly), "")
 
     def complete(self, values: dict[str, Any], what: str = "") -> dict[str, Any]:
         """The full config of the fit arguments with ``values`` (option -> value) set, as plain data."""
