@@ -57,6 +57,23 @@ def test_a_fit_and_its_resume_print_no_library_warning(run_cli, tmp_path: Path, 
         assert _noise(done.stdout + done.stderr) == []
 
 
+def test_a_stopped_run_and_its_continuation_print_no_library_warning(run_cli, tmp_path: Path) -> None:  # noqa: ANN001
+    """A SIGTERM mid-epoch (interrupted.ckpt written), then the same command."""
+    (tmp_path / "fault.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: fault.Fault\n      init_args: {moment: train_batch, batch: 1}\n"
+    )
+    command = [*FIT, "--config", "fault.yaml", "--run.name=quiet", "--trainer.max_epochs=1"]
+    env = _user_env()
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    first = run_cli(*command, env=env)
+    assert first.returncode == 143, first.stderr[-3000:]
+    resumed = run_cli(*command, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "interrupted.ckpt" in resumed.stdout + resumed.stderr
+    for done in (first, resumed):
+        assert _noise(done.stdout + done.stderr) == []
+
+
 def test_a_new_run_into_another_runs_checkpoint_folder_is_still_warned(run_cli, tmp_path: Path) -> None:  # noqa: ANN001
     # Not a resume: this run would overwrite the other's last.ckpt, which the user can act on.
     (tmp_path / "shared").mkdir()
