@@ -245,7 +245,7 @@ def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFol
     if not _forks_drop_the_lock:
         # A forked child (a DataLoader worker) shares the lock; a SIGKILLed run's workers live on for seconds and
         # would refuse the same command started again at once (torchrun's restart): the lock is this process's alone.
-        os.register_at_fork(after_in_child=release)
+        os.register_at_fork(after_in_child=_unlock)
         _forks_drop_the_lock = True
     return RunFolder.claimed
 
