@@ -19,6 +19,7 @@ from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.ema import ema_callbacks
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
 from template.engine.gpus import apply_matmul_precision, resolve_free_devices
+from template.engine.internals import skip_idle_step_hooks
 from template.engine.loggers import LogsBeforeCheckpoints, default_loggers
 from template.engine.preemption import Preemption
 from template.engine.provenance import Provenance
@@ -176,18 +177,6 @@ MECHANISMS: tuple[Mechanism, ...] = (
         lambda c, s: _trainer(c, "strategy") == "dp",
     ),
     Mechanism(
-        "log cadence",
-        "replaces your module's `log` in fit: step-only values only on logging steps",
-        "--log_cadence.enabled=false",
-        lambda c, s: s == "fit" and c.get("log_cadence.enabled") is not False,
-    ),
-    Mechanism(
-        "metric queue",
-        "patches training metrics' update/forward/compute/reset/state_dict to batch updates",
-        "--log_cadence.metric_queue_mib=0",
-        lambda c, s: s == "fit" and c.get("log_cadence.enabled") is not False and c.get("log_cadence.metric_queue_mib"),
-    ),
-    Mechanism(
         "batch scaling",
         "sets data.batch_size from the global batch; scales the learning rate",
         "--scaling.global_batch_size=null --scaling.lr_scaling=none",
@@ -276,9 +265,14 @@ def check_devices(trainer_config: dict[str, Any]) -> None:
     check_dp_trainer_config(trainer_config)
 
 
-def after_trainer(trainer: Trainer, matmul_precision: str | None) -> None:
-    """What needs the built Trainer: matmul precision, the launcher's process count, the watchdog's timeout."""
+def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: Any = None) -> None:
+    """What needs the built Trainer: matmul precision, the launcher's process count, the watchdog's timeout, and
+    idle per-batch hooks skipped on every callback but the user's (``configured``, the config's callbacks)."""
     apply_matmul_precision(matmul_precision, trainer)
+    users = {id(c) for c in (configured if isinstance(configured, list) else [configured] if configured else [])}
+    for callback in trainer.callbacks:
+        if id(callback) not in users:
+            skip_idle_step_hooks(callback)
     # Lightning compares devices x num_nodes with what torchrun or SLURM started only inside fit, with a traceback
     # from every process: compare them here, where the mismatch becomes one line.
     launcher = getattr(trainer.strategy, "launcher", None)
