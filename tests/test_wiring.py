@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import TQDMProgressBar
 
 from template.engine import wiring
 from template.engine.checkpoint_io import AtomicCheckpointIO
@@ -70,7 +69,14 @@ def test_pieces_follow_their_switches() -> None:
     run = Run(None, None, None, resume=False)
     added = wiring.callbacks({}, "fit", run, "val_acc")["callbacks"]
     kinds = [type(c) for c in added]
-    assert kinds == [TQDMProgressBar, wiring.MonitorCheck, TrackerRuns, LogsBeforeCheckpoints, Preemption, Provenance]
+    assert kinds == [
+        wiring.TimedProgressBar,
+        wiring.MonitorCheck,
+        TrackerRuns,
+        LogsBeforeCheckpoints,
+        Preemption,
+        Provenance,
+    ]
     quiet = Run(None, None, None, resume=False, preemption=False)
     kinds = [type(c) for c in wiring.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
     assert kinds == [TrackerRuns, LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder
