@@ -111,7 +111,7 @@ def test_help_names_the_program_and_every_subcommand(run_main):
 def test_first_lines_say_what_is_on_and_how_to_switch_it_off(trained):
     _, result = trained
     output = result.stdout + result.stderr
-    for switch in ("--log_cadence.enabled=false", "--log_cadence.metric_queue_mib=0", "--run.preemption=false"):
+    for switch in ("--run.preemption=false", "--trainer.plugins=[]"):
         assert output.count(switch) == 1, switch
     assert "litlogger" not in output
     # The run summary starts its own line, not the progress bar's.

@@ -81,7 +81,6 @@ CASES = {
     "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
     "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
-    "metric-queue-size": (["--log_cadence.metric_queue_mib=-1"], ["log_cadence.metric_queue_mib", "-1", "e.g. 16"]),
     # Values a library refuses when the classes are built, or when the optimizer is built from the parameters.
     "optimizer-lr": (
         ["--model.optimizer.init_args.lr=-0.001"],

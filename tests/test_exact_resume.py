@@ -43,7 +43,6 @@ CONFIGURATIONS: dict[str, list[str]] = {
     "user-logger": USER_LOGGER,
     "ema": ["--ema.decay=0.9"],
     "workers": ["--data.num_workers=2"],
-    "cadence-off": ["--log_cadence.enabled=false"],
     "periodic": ["--run.save_every_n_steps=3"],
     "scaling": ["--scaling.global_batch_size=32", "--scaling.lr_scaling=linear", "--scaling.reference_batch_size=64"],
     "test-after-fit": ["--test_after_fit=true"],

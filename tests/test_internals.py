@@ -1,7 +1,7 @@
 """Every private name the engine reaches in another package (engine/internals.py), exercised for real.
 
 A release of Lightning, jsonargparse, torchdata or torch that renames or changes one of them fails here, instead of
-silently switching a guarantee off (the hang watchdog, exact resume, log cadence, preemption).
+silently switching a guarantee off (the hang watchdog, exact resume, preemption).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
@@ -164,59 +163,26 @@ def test_layer_sync_follows_sync_batchnorm() -> None:
     assert not internals.layer_sync_enabled(_trainer(strategy="ddp").strategy)
 
 
-# --- logging and loops ----------------------------------------------------------------------------------------------
+# --- callback dispatch and loops ------------------------------------------------------------------------------------
 
 
-def test_current_hook_names_the_running_hook() -> None:
-    """``LightningModule._current_fx_name``: the cadence gate and the metric queue act in training_step only."""
+def test_idle_step_hooks_are_skipped_and_busy_ones_still_run() -> None:
+    """``_call_callback_hooks`` skips a hook that is not callable: idle per-batch hooks set to None cost nothing."""
 
-    class Model(_Recording):
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            self.seen.append(internals.current_hook(self))
-            return super().training_step(batch, batch_idx)
+    class Busy(Callback):
+        def __init__(self) -> None:
+            self.ends = 0
 
-        def on_train_epoch_end(self) -> None:
-            self.seen.append(internals.current_hook(self))
+        def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+            self.ends += 1
 
-    model = Model()
-    _trainer(max_steps=2, limit_train_batches=2).fit(model)
-    assert model.seen == ["training_step", "training_step", "on_train_epoch_end"]
-
-
-def test_default_logging_levels_are_lightnings_own() -> None:
-    """``_FxValidator``: what ``self.log`` resolves on_step/on_epoch to in each hook, and where it cannot log."""
-    assert internals.default_logging_levels("training_step", None, None) == (True, False)
-    assert internals.default_logging_levels("training_step", None, True) == (True, True)
-    assert internals.default_logging_levels("on_train_epoch_end", None, None) == (False, True)
-    assert internals.default_logging_levels("validation_step", None, None) == (False, True)
-    assert internals.default_logging_levels("on_fit_start", None, None) is None
-
-
-def test_logs_this_step_is_when_loggers_receive_step_values() -> None:
-    """``_logger_connector.should_update_logs``: True exactly on the steps the loggers are handed step values."""
-
-    class StepLogger(Logger):
-        name, version = "steps", 0
-        written: list[int] = []
-
-        def log_metrics(self, metrics, step=None) -> None:  # noqa: ANN001
-            if "loss" in metrics:
-                self.written.append(step)
-
-        def log_hyperparams(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-            pass
-
-    class Model(_Recording):
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            out = super().training_step(batch, batch_idx)
-            self.seen.append(internals.logs_this_step(self.trainer))
-            self.log("loss", out["loss"])
-            return out
-
-    model, logger = Model(), StepLogger()
-    _trainer(max_steps=7, logger=logger, log_every_n_steps=3).fit(model)
-    assert model.seen == [False, False, True, False, False, True, False]
-    assert logger.written == [2, 5]
+    busy, idle = Busy(), Callback()
+    for callback in (busy, idle):
+        internals.skip_idle_step_hooks(callback)
+    assert busy.on_train_batch_start is None and idle.on_train_batch_end is None and idle.on_before_backward is None
+    assert callable(busy.on_train_batch_end) and type(idle).on_train_batch_end is Callback.on_train_batch_end
+    _trainer(max_steps=3, limit_train_batches=3, limit_val_batches=2, callbacks=[busy, idle]).fit(_Recording())
+    assert busy.ends == 3
 
 
 def test_rebuilding_the_fetchers_iterator_draws_from_a_restored_generator() -> None:

@@ -1,4 +1,5 @@
-"""The cheap per-step path: batched data reads, logging at the Trainer's cadence, and DDP still splitting the data."""
+"""The cheap per-step path: batched data reads, logging at the Trainer's cadence, no patch of the user's objects, and
+DDP still splitting the data."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import Metric
+from typing_extensions import override
 
 from template.data import BatchedTensorDataset, DigitsDataModule, collate_batch
 from tests.conftest import CONFIGS
@@ -114,66 +118,46 @@ def test_progress_bar_redraws_every_tenth_step_unless_configured(tmp_path: Path,
     assert isinstance(chosen, RichProgressBar)
 
 
-def _fit_counting_logs(tmp_path: Path, monkeypatch, callbacks: list) -> tuple[list[dict[str, str]], int, list[int]]:  # noqa: ANN001
-    """metrics.csv, the number of `self.log("train_loss")` calls, and the batch size of each accuracy update run."""
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.loggers import CSVLogger
-    from torchmetrics.classification import MulticlassAccuracy
+class Untouched(Callback):
+    """A user's callback that checks, at every training step, that the engine has patched none of the user's objects.
 
-    from template.model import Classifier
-    from template.nets import MLP
+    Not ``self.log`` (an instance attribute would shadow the class's), not a metric's methods (torchmetrics keeps
+    ``update`` and ``compute`` as instance attributes of its own: they must stay the same objects), and not this
+    callback's own idle hooks (the engine makes Lightning skip only its own callbacks' idle hooks).
+    """
 
-    calls, updates = [], []
-    log, update = LightningModule.log, MulticlassAccuracy.update
+    def __init__(self) -> None:
+        self.steps = 0
+        self.before: dict[str, tuple] = {}
 
-    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        calls.append(args[0])
-        return log(self, *args, **kwargs)
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.before = {name: (m.update, m.compute) for name, m in pl_module.named_modules() if isinstance(m, Metric)}
 
-    def counted_update(self, preds, target):  # noqa: ANN001, ANN202
-        if self.training_metric:
-            updates.append(len(target))
-        return update(self, preds, target)
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
+        self.steps += 1
+        assert "log" not in pl_module.__dict__ and type(pl_module).log is LightningModule.log
+        metrics = {name: m for name, m in pl_module.named_modules() if isinstance(m, Metric)}
+        assert metrics.keys() == self.before.keys() and metrics, metrics
+        for name, metric in metrics.items():
+            assert (metric.update, metric.compute) == self.before[name], name
+            assert not {"forward", "reset", "state_dict"} & metric.__dict__.keys(), name
+        assert "on_train_batch_start" not in self.__dict__ and callable(self.on_before_backward)
 
-    monkeypatch.setattr(LightningModule, "log", counted)
-    monkeypatch.setattr(MulticlassAccuracy, "update", counted_update)  # before the metrics wrap it
-    torch.manual_seed(0)
-    trainer = Trainer(
-        max_epochs=2, limit_train_batches=7, limit_val_batches=2, log_every_n_steps=3, logger=CSVLogger(tmp_path),
-        enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path,
+
+def test_fit_patches_nothing_of_the_users_objects(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from template.engine.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(
+        ["fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.max_epochs=1", "--trainer.limit_train_batches=12",
+         "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+         '--trainer.callbacks+={"class_path": "tests.test_step_cost.Untouched"}'],
     )  # fmt: skip
-    model = Classifier(MLP((1, 8, 8), 10), num_classes=10)
-    for name, metric in model.named_children():
-        metric.training_metric = name == "train_acc"
-    trainer.fit(model, DigitsDataModule(data_dir=str(tmp_path), batch_size=32))
-    monkeypatch.undo()  # the next run counts afresh
-    return _metrics(Path(trainer.logger.log_dir)), calls.count("train_loss"), updates
-
-
-def _same_rows(rows: list[dict[str, str]], expected: list[dict[str, str]]) -> None:
-    """Equal rows; float values equal up to float32 summation order (a mean over the epoch's losses)."""
-    assert [r.keys() for r in rows] == [r.keys() for r in expected]
-    for row, want in zip(rows, expected, strict=True):
-        for key, value in want.items():
-            if value and "." in value:
-                assert abs(float(row[key]) - float(value)) <= 1e-6 * abs(float(value)), (key, row, want)
-            else:
-                assert row[key] == value, (key, row, want)
-
-
-def test_log_cadence_writes_the_same_metrics_with_fewer_step_logs_and_metric_updates(
-    tmp_path: Path,
-    monkeypatch,  # noqa: ANN001
-) -> None:
-    from template.engine.cadence import LogCadence
-
-    every_step, every_calls, every_updates = _fit_counting_logs(tmp_path / "every", monkeypatch, [])
-    gated, gated_calls, gated_updates = _fit_counting_logs(tmp_path / "gated", monkeypatch, [LogCadence()])
-    _same_rows(gated, every_step)  # every row and value of metrics.csv, step and epoch columns alike
-    assert [int(r["step"]) for r in gated if r["train_loss"]] == [2, 5, 8, 11]
-    # 14 training steps: Lightning's log runs on each without the gate, on the 4 that write with it.
-    assert (every_calls, gated_calls) == (14, 4)
-    # The training accuracy: 7 updates of 32 samples per epoch without the queue, one of 224 at each epoch end with.
-    assert (every_updates, gated_updates) == ([32] * 14, [224, 224])
-    off, off_calls, off_updates = _fit_counting_logs(tmp_path / "off", monkeypatch, [LogCadence(enabled=False)])
-    assert off == every_step and off_calls == 14 and off_updates == every_updates
+    # By name: jsonargparse imports this module again under its dotted path.
+    untouched = next(c for c in cli.trainer.callbacks if type(c).__name__ == "Untouched")
+    assert untouched.steps == 12
+    # The engine's own callbacks: Lightning passes over their idle per-batch hooks.
+    engine = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("template.engine.")]
+    assert engine and all(c.on_before_backward is None for c in engine)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import TQDMProgressBar
 
 from template.engine import wiring
 from template.engine.checkpoint_io import AtomicCheckpointIO
@@ -26,8 +25,6 @@ def _config(**overrides: object) -> Namespace:
         "trainer.devices": 1,
         "run.preemption": True,
         "run.save_every_n_steps": None,
-        "log_cadence.enabled": True,
-        "log_cadence.metric_queue_mib": 16.0,
         "checkpoint.monitor": "val_acc",
         "scaling.global_batch_size": None,
         "scaling.lr_scaling": "none",
@@ -41,8 +38,6 @@ def _config(**overrides: object) -> Namespace:
 def test_first_lines_name_the_changes_to_user_objects_and_their_switches() -> None:
     text = wiring.announce(_config(**{"trainer.strategy": "dp"}), "fit")
     for name, switch in [
-        ("log cadence", "--log_cadence.enabled=false"),
-        ("metric queue", "--log_cadence.metric_queue_mib=0"),
         ("dp", "another trainer.strategy"),
         ("preemption", "--run.preemption=false"),
         ("atomic checkpoints", "--trainer.plugins=[]"),
@@ -53,8 +48,6 @@ def test_first_lines_name_the_changes_to_user_objects_and_their_switches() -> No
 @pytest.mark.parametrize(
     ("switch", "gone"),
     [
-        ({"log_cadence.enabled": False}, ("log cadence", "metric queue")),
-        ({"log_cadence.metric_queue_mib": 0.0}, ("metric queue",)),
         ({"run.preemption": False}, ("preemption",)),
         ({"trainer.plugins": []}, ("atomic checkpoints",)),
         ({"trainer.enable_progress_bar": False}, ("progress bar",)),
@@ -69,14 +62,21 @@ def test_a_switched_off_mechanism_is_not_announced(switch: dict, gone: tuple) ->
 
 def test_evaluation_announces_no_training_mechanism() -> None:
     text = wiring.announce(_config(), "validate")
-    assert "log cadence" not in text and "preemption" not in text
+    assert "preemption" not in text and "periodic checkpoint" not in text
 
 
 def test_pieces_follow_their_switches() -> None:
     run = Run(None, None, None, resume=False)
     added = wiring.callbacks({}, "fit", run, "val_acc")["callbacks"]
     kinds = [type(c) for c in added]
-    assert kinds == [TQDMProgressBar, wiring.MonitorCheck, TrackerRuns, LogsBeforeCheckpoints, Preemption, Provenance]
+    assert kinds == [
+        wiring.TimedProgressBar,
+        wiring.MonitorCheck,
+        TrackerRuns,
+        LogsBeforeCheckpoints,
+        Preemption,
+        Provenance,
+    ]
     quiet = Run(None, None, None, resume=False, preemption=False)
     kinds = [type(c) for c in wiring.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
     assert kinds == [TrackerRuns, LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder

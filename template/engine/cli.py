@@ -30,7 +30,6 @@ from typing_extensions import override
 import template
 from template.engine import blame, checkpoints, internals, preflight, wiring
 from template.engine.atomic import prove_writable
-from template.engine.cadence import LogCadence
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
 from template.engine.ema import EMAOptions
@@ -145,7 +144,6 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(BatchScaling, "scaling")
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
-        parser.add_lightning_class_args(LogCadence, "log_cadence")
         parser.add_lightning_class_args(CompileNetwork, "compile")
         parser.add_lightning_class_args(ThroughputLog, "throughput")
         add_gpu_arguments(parser)
@@ -257,7 +255,7 @@ class CLI(LightningCLI):
         def build() -> Trainer:
             wiring.check_devices(trainer_config)
             trainer = super(CLI, self).instantiate_trainer(**kwargs)
-            wiring.after_trainer(trainer, built.get("float32_matmul_precision"))
+            wiring.after_trainer(trainer, built.get("float32_matmul_precision"), trainer_config.get("callbacks"))
             return trainer
 
         return wiring.trainer_errors_as_config_errors(build, trainer_config)

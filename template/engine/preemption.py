@@ -97,8 +97,9 @@ class Preemption(Callback):
     # The points a stop is taken at: every rank is in the same hook, and a checkpoint written there resumes exactly.
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling.
-        if exact_resume_point(trainer):
+        # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling. One process
+        # without a signal has nothing to do; several agree on the signal at every safe point (a collective).
+        if (self._received is not None or trainer.world_size > 1) and exact_resume_point(trainer):
             self._stop_if_signalled(trainer, raise_now=False)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:

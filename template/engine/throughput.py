@@ -68,7 +68,10 @@ class ThroughputLog(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.enabled:
-            self._samples += extract_batch_size(batch)
+            # (inputs, targets): the first tensor's length without Lightning's walk of the batch (~1.5 us a step).
+            first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+            fast = isinstance(first, torch.Tensor) and first.dim() > 0
+            self._samples += len(first) if fast else extract_batch_size(batch)
             self._batches += 1
 
     @override
