@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+import template
 from tests.conftest import cli_env
+
+PACKAGE = template.__name__
 
 USER_CODE = Path(__file__).parent / "user_code"
 
@@ -211,3 +214,46 @@ def test_a_value_the_users_class_refuses_itself_is_named_with_its_exception(tmp_
     assert errors[0].startswith("error: model.init_args.net.init_args.input_shape=[5] refused while building "), errors
     assert "(template.nets.ConvNet): ValueError raised in your code, ConvNet.__init__ (" in errors[0], errors
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "parses"),
+    [
+        ([], 1),  # the classes the config file names by class_path
+        (["--data=my_code.Blobs"], 1),  # an option naming another class: the last one wins
+        (["--data.class_path", f"{PACKAGE}.data.DigitsDataModule"], 1),  # back to the example's
+    ],
+)
+def test_a_chosen_class_is_parsed_once_when_named_by_class_path(tmp_path, monkeypatch, options, parses):  # noqa: ANN001
+    # The classes a config names are the defaults before the only parse; the result is that of parsing twice.
+    from template.engine import cli
+
+    config = {"model": REGRESSION_CONFIG["model"], "data": {"class_path": "my_code.Waves"}}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    calls, configs = [], []
+    parse = cli.CLI._parse
+
+    def counted(self, parser, args):  # noqa: ANN001, ANN202
+        calls.append(args)
+        parse(self, parser, args)
+
+    class Parsed(Exception):
+        pass
+
+    def stop(self):  # noqa: ANN001, ANN202
+        configs.append(self.config)
+        raise Parsed
+
+    monkeypatch.setattr(cli.CLI, "_parse", counted)
+    monkeypatch.setattr(cli.CLI, "before_instantiate_classes", stop)
+    with pytest.raises(Parsed):
+        cli.build_cli(["fit", "--config", "user.yaml", *options])
+    assert len(calls) == parses
+    fit = configs[0]["fit"]
+    data = {"": ("Waves", {"batch_size": 32, "samples": 512}), "--data=my_code.Blobs": ("Blobs", None)}
+    expected, init_args = data.get("".join(options), ("DigitsDataModule", None))
+    assert fit["data"]["class_path"].endswith(expected)
+    if init_args is not None:
+        assert dict(vars(fit["data"]["init_args"])) == init_args  # Waves' own defaults, not the digits' batch_size

@@ -67,6 +67,11 @@ PROGRAM = f"python -m {template.__name__}"
 
 # The example the command line runs unless a config names another LightningModule or DataModule.
 EXAMPLE = {"model": f"{template.__name__}.model.Classifier", "data": f"{template.__name__}.data.DigitsDataModule"}
+# The parser's defaults for the model and data: the example's classes.
+EXAMPLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": {"class_path": EXAMPLE["model"], "init_args": {"net": {"class_path": f"{template.__name__}.nets.MLP"}}},
+    "data": {"class_path": EXAMPLE["data"]},
+}
 # What the example's best checkpoint is chosen by; a module chosen by class_path names its own (checkpoint.monitor).
 EXAMPLE_MONITOR = {"checkpoint.monitor": "val_acc", "checkpoint.mode": "max"}
 
@@ -131,6 +136,21 @@ class ArgumentParser(LightningArgumentParser):
 class CLI(LightningCLI):
     """The project's command line: ``python -m <package> {fit,validate,test,predict} --config configs/x.yaml``."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The subcommand the command line names, if it names one first: only its parser is built (LightningCLI
+        # builds a full parser for each of the four, three of them unused, a third of a second each here).
+        argv = kwargs.get("args")
+        argv = sys.argv[1:] if argv is None else argv
+        first = argv[0] if isinstance(argv, (list, tuple)) and argv else None
+        self._only_subcommand = first if first in LightningCLI.subcommands() else None
+        super().__init__(*args, **kwargs)
+
+    @override
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  # a staticmethod in LightningCLI
+        every = LightningCLI.subcommands()
+        only = getattr(self, "_only_subcommand", None)
+        return {only: every[only]} if only is not None else every
+
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         self.parser_class = ArgumentParser
@@ -162,8 +182,7 @@ class CLI(LightningCLI):
         parser.set_defaults(
             {
                 # The example; any LightningModule and LightningDataModule replace them by class_path.
-                "model": {"class_path": EXAMPLE["model"], "init_args": {"net": {"class_path": "template.nets.MLP"}}},
-                "data": {"class_path": EXAMPLE["data"]},
+                **EXAMPLE_DEFAULTS,
                 "checkpoint.save_last": True,
                 "checkpoint.auto_insert_metric_name": False,
             }
@@ -179,18 +198,26 @@ class CLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # jsonargparse reports broken YAML without saying which file; name it first.
-        files = _check_yaml_files(sys.argv[1:] if args is None else list(args)) if not isinstance(args, dict) else {}
+        args_list = sys.argv[1:] if args is None else list(args) if not isinstance(args, (dict, Namespace)) else []
+        files = _check_yaml_files(args_list)
         print_config = internals.print_config_action()
         # --print_config prints below, once the configuration is what the run will use.
         with print_config.skip_print_config():
+            # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
+            # DataModule would train with the digits' batch_size): with that class as the default it gets its own
+            # signature's defaults and only what the configs set. The classes the configs and options name are made
+            # the defaults before parsing; only where the parse chose others (a class named some other way) is the
+            # command line parsed a second time, with those.
+            named = _named_classes(files, args_list) if (subcommand := self._only_subcommand) else {}
+            if named:
+                parser.set_defaults({f"{subcommand}.{key}": value for key, value in named.items()})
             self._parse(parser, args)
             subcommand = self.config.get("subcommand")
             chosen = _chosen_classes(self.config[subcommand] if subcommand else self.config)
-            if chosen and subcommand:
-                # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
-                # DataModule would train with the digits' batch_size): with that class as the default it gets its own
-                # signature's defaults and only what the configs set.
-                parser.set_defaults({f"{subcommand}.{key}": value for key, value in chosen.items()})
+            if subcommand and chosen != named:
+                parser.set_defaults(
+                    {f"{subcommand}.{key}": chosen.get(key, EXAMPLE_DEFAULTS[key]) for key in {*chosen, *named}}
+                )
                 self._parse(parser, args)
         _check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
         settle(self.config[subcommand] if subcommand else self.config, subcommand)
@@ -358,6 +385,43 @@ def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
         for key in ("model", "data")
         if (path := config.get(f"{key}.class_path")) is not None and path != EXAMPLE[key]
     }
+
+
+def _named_classes(files: dict[str, Any], argv: list[str]) -> dict[str, dict[str, str]]:
+    """The model and data classes other than the example's that the config files and options on the command line
+    name by an importable ``class_path`` (the last one naming each wins), as parser defaults; a best guess, which the
+    parse confirms."""
+    named: dict[str, Any] = {}
+    for i, arg in enumerate(argv):
+        option, equals, value = arg.partition("=")
+        if not equals and i + 1 < len(argv):
+            value = argv[i + 1]
+        if option in ("--config", "-c") and isinstance(files.get(value), dict):
+            for key in EXAMPLE:
+                section = files[value].get(key)
+                if isinstance(section, dict) and "class_path" in section:
+                    named[key] = section["class_path"]
+                elif isinstance(section, str) or (section is None and key in files[value]):
+                    named[key] = section
+        for key in EXAMPLE:
+            if option in (f"--{key}", f"--{key}.class_path"):
+                named[key] = value
+    return {
+        key: {"class_path": path}
+        for key, path in named.items()
+        if isinstance(path, str) and path != EXAMPLE[key] and _is_class(path)
+    }
+
+
+def _is_class(path: str) -> bool:
+    """Whether ``path`` (``package.module.Class``) names a class that imports."""
+    module, _, name = path.rpartition(".")
+    if not module or not name.isidentifier():
+        return False
+    try:
+        return inspect.isclass(getattr(importlib.import_module(module), name, None))
+    except Exception:
+        return False  # the parse reports it
 
 
 class _AppliedLinksOnly(internals.instantiator_class()):
