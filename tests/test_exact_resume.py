@@ -379,3 +379,6 @@ def test_the_matrix_covers_what_it_promises() -> None:
     assert {cell.moment for cell in cells} >= {"train_batch", "sanity_batch", "val_batch", "epoch_end", "checkpoint"}
     every_batch = {(c.epoch, c.batch) for c in cells if c.configuration == "single" and c.moment == "train_batch"}
     assert every_batch >= {(e, b) for e in (0, 1) for b in range(8)}
+    assert f"{len(cells)} cells, {len(FAST)} of them" in " ".join(
+        (REPO / "docs" / "reliability.md").read_text().split()
+    )

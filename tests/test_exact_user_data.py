@@ -302,3 +302,5 @@ def test_the_user_matrix_covers_what_it_promises() -> None:
     assert {cell.configuration for cell in cells} == set(USER_CONFIGURATIONS)
     assert {cell.signal for cell in cells} == {"SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL"}
     assert os.path.isfile(Path(__file__).parent / "user_code" / "plain_data.py")
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "reliability.md").read_text().split())
+    assert f"({len(FAST)} cells fast, {len(SLOW)} slow)" in docs, "docs/reliability.md gives the matrix's size"
