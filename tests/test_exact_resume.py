@@ -25,6 +25,8 @@ import pytest
 import torch
 from conftest import CONFIGS, PACKAGE, REPO, ForkServer, cli_env, finish, made_once
 
+from template.engine import checkpoints
+
 WAIT = 240  # seconds for one start of a run; a healthy single-process start takes 5-10 s here, DDP 15-25 s
 STEPS = 16
 BASE = [
@@ -47,9 +49,10 @@ CONFIGURATIONS: dict[str, list[str]] = {
     "scaling": ["--scaling.global_batch_size=32", "--scaling.lr_scaling=linear", "--scaling.reference_batch_size=64"],
     "test-after-fit": ["--test_after_fit=true"],
     "ddp": [],
+    "fsdp": [],
     "dp": ["--trainer.accelerator=gpu"],  # configs/dp.yaml: one process, each batch split over GPUs 0 and 1
 }
-CONFIG_FILES = {"ddp": "ddp_cpu.yaml", "dp": "dp.yaml"}
+CONFIG_FILES = {"ddp": "ddp_cpu.yaml", "fsdp": "fsdp_cpu.yaml", "dp": "dp.yaml"}
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,11 @@ SLOW = [
     *[Cell("ddp", "val_batch", "SIGTERM", nth=1, batch=0, ranks=r) for r in ((0,), (1,))],
     Cell("ddp", "sanity_batch", "SIGINT", ranks=(0, 1)),
     Cell("ddp", "train_batch", "SIGKILL", 1, 2, ranks=(1,)),
+    *_kinds_of_moment("fsdp", "SIGTERM"),
+    *[Cell("fsdp", "train_batch", "SIGTERM", 0, 2, ranks=r) for r in ((1,), (0, 1))],
+    Cell("fsdp", "val_batch", "SIGINT", nth=1, batch=1, ranks=(1,)),
+    Cell("fsdp", "train_batch", "SIGKILL", 1, 2, ranks=(1,)),
+    Cell("fsdp", "checkpoint", "SIGKILL", nth=1),
 ]
 FAST = [
     Cell("single", "train_batch", "SIGTERM", 0, 5),  # mid-epoch
@@ -212,7 +220,10 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _last(work: Path) -> dict:
-    return torch.load(work / "lightning_logs" / "r" / "checkpoints" / "last.ckpt", weights_only=True)
+    path = work / "lightning_logs" / "r" / "checkpoints" / "last.ckpt"
+    if path.is_dir():  # strategy fsdp's: one shard per process, joined here
+        return checkpoints.load_sharded(path)
+    return torch.load(path, weights_only=True)
 
 
 def _differences(a: Any, b: Any, where: str = "") -> list[str]:

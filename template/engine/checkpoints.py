@@ -6,6 +6,7 @@ missing, truncated or foreign file is one ``error:`` line before anything reads 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
@@ -14,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from template.engine.errors import ConfigError, one_line
+from template.engine.internals import SHARDED_METADATA
+from template.engine.strategies.fsdp import is_fsdp
 
 # Lightning resolves these names itself instead of reading a file.
 SPECIAL_PATHS = ("best", "last", "hpc", "registry")
@@ -23,12 +28,18 @@ SPECIAL_PATHS = ("best", "last", "hpc", "registry")
 _LIGHTNING_KEY = "pytorch-lightning_version"
 
 
-def check(path: str | os.PathLike, option: str = "--ckpt_path", lightning: bool = True) -> dict[str, Any]:
+def check(
+    path: str | os.PathLike, option: str = "--ckpt_path", lightning: bool = True, strategy: Any = None
+) -> dict[str, Any]:
     """The checkpoint at ``path``, its tensors memory-mapped; a ConfigError when it cannot be used.
 
     ``lightning``: the caller resumes or evaluates from it, so a bare ``state_dict`` (what ``export`` writes) is
-    refused with a line saying what the file is and how to use it.
+    refused with a line saying what the file is and how to use it. ``strategy``: the ``trainer.strategy`` that will
+    load it; a sharded checkpoint (a folder, strategy fsdp's) loads only under fsdp. For a sharded checkpoint, the
+    dict holds everything but the shards.
     """
+    if is_sharded(path):
+        return _check_sharded(Path(path), option, strategy)
     if not Path(path).is_file():
         raise ConfigError(f"checkpoint '{path}' does not exist; pass an existing file to {option}")
     try:
@@ -54,6 +65,41 @@ def check(path: str | os.PathLike, option: str = "--ckpt_path", lightning: bool 
             f"file written by a run of this project to {option}"
         )
     return checkpoint
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint: a folder of torch distributed checkpoint shards (strategy fsdp)."""
+    return (Path(path) / ".metadata").is_file()
+
+
+def _check_sharded(path: Path, option: str, strategy: Any) -> dict[str, Any]:
+    if strategy is not None and not is_fsdp(strategy):
+        raise ConfigError(
+            f"checkpoint '{path}' is sharded (a folder written by strategy fsdp) but trainer.strategy is "
+            f"{strategy if isinstance(strategy, str) else type(strategy).__name__}: run with --trainer.strategy=fsdp, "
+            f"or export it to one file (python -m {__package__.split('.')[0]} export {path})"
+        )
+    try:
+        FileSystemReader(path).read_metadata()
+        return torch.load(path / SHARDED_METADATA, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # a missing or truncated part: see check()
+        raise ConfigError(
+            f"sharded checkpoint '{path}' cannot be loaded ({one_line(err)[:200]}); it is incomplete or corrupt: "
+            f"pass a complete checkpoint written by this project to {option}"
+        ) from None
+
+
+def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning checkpoint, in this process (no process group): the shards joined into
+    full tensors, optimizer states keyed by parameter name."""
+    check(path, option="the command")
+    buffer = io.BytesIO()
+    dcp_to_torch_save(path, buffer)
+    buffer.seek(0)
+    shards = torch.load(buffer, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(Path(path) / SHARDED_METADATA, map_location="cpu", weights_only=True)
+    optimizers = sorted((k for k in shards if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    return {**checkpoint, "state_dict": shards["state_dict"], "optimizer_states": [shards[k] for k in optimizers]}
 
 
 def is_lightning(checkpoint: Any) -> bool:
@@ -86,7 +132,7 @@ def directory(trainer: Any) -> str:
 
 def newest(directories: list[Path]) -> str | None:
     """The most recently written ``.ckpt`` in ``directories``, or None."""
-    candidates = [p for d in directories if d.is_dir() for p in d.glob("*.ckpt") if p.is_file()]
+    candidates = [p for d in directories if d.is_dir() for p in d.glob("*.ckpt") if p.is_file() or is_sharded(p)]
     if not candidates:
         return None
     # On equal times prefer last.ckpt: ModelCheckpoint writes it right after the best-* file of the same step.
@@ -108,6 +154,8 @@ def newest_under(root: str | os.PathLike, dirpath: str | os.PathLike | None = No
 
 def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """The whole checkpoint at ``path`` (any weights-only file: Lightning, exported or plain PyTorch)."""
+    if is_sharded(path):
+        return load_sharded(path)
     check(path, option="the command", lightning=False)
     return torch.load(path, map_location=map_location, weights_only=True)
 

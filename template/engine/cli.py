@@ -273,6 +273,7 @@ class CLI(LightningCLI):
         kwargs = {
             **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
+            **wiring.strategy(trainer_config),
             **wiring.callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema")),
             **run_folder_arguments(run, trainer_config, built.get("checkpoint")),
             **kwargs,
@@ -350,7 +351,7 @@ def settle(config: Any, subcommand: str | None) -> None:
         rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
         # First: LightningCLI reads the file right after this hook, and a named run describes it.
-        checkpoints.check(ckpt_path)
+        checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))
     if subcommand == "fit":
         # The run's folder, and its newest checkpoint when the same command is started again.
         run = continue_run(config)

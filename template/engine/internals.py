@@ -293,3 +293,50 @@ def built_experiment(logger: Any) -> Any:
     ``finalize`` has anything on disk to protect. Lightning keeps it in ``logger._experiment``.
     """
     return _require(logger, "_experiment", "lightning", "leaving metrics.csv intact when a save fails")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Lightning and torch: strategy fsdp (FSDP2 through ModelParallelStrategy)
+
+
+def _sharded_metadata_name() -> str:
+    try:
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+    except ImportError:
+        raise _changed("lightning", "fabric.utilities.load._METADATA_FILENAME", "sharded checkpoints (fsdp)") from None
+    return _METADATA_FILENAME
+
+
+# The file of a sharded checkpoint folder that holds everything but the shards (loops, callbacks, hyper-parameters);
+# ModelParallelStrategy.load_checkpoint reads it by this name.
+SHARDED_METADATA: str = _sharded_metadata_name()
+
+
+def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
+    """Allocate, on ``device``, the parameters a module created on the meta device (ModelParallelStrategy.setup's
+    step, kept by strategy fsdp, which replaces that method)."""
+    try:
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+    except ImportError:
+        raise _changed("lightning", "fabric.utilities.init._materialize_distributed_module", "strategy fsdp") from None
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: list[Any], device: torch.device) -> None:
+    """Move optimizer states to ``device`` (ModelParallelStrategy.setup's last step, kept by strategy fsdp)."""
+    try:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+    except ImportError:
+        raise _changed("lightning", "fabric.utilities.optimizer._optimizers_to_device", "strategy fsdp") from None
+    _optimizers_to_device(optimizers, device)
+
+
+def checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    """``module`` whose activations are recomputed in the backward pass (torch's wrapper, which Lightning's FSDP and
+    torchtitan use; its state_dict keys are the module's own)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+    except ImportError:
+        name = "distributed.algorithms._checkpoint.checkpoint_wrapper"
+        raise _changed("torch", name, "fsdp checkpoint_layers") from None
+    return wrap(module)

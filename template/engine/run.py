@@ -110,7 +110,8 @@ def continue_run(config: Any) -> Run:
         ckpt_path = checkpoints.newest([directory / "checkpoints", *([Path(dirpath)] if dirpath else [])])
     step = None
     if ckpt_path is not None and ckpt_path not in checkpoints.SPECIAL_PATHS:
-        step = checkpoints.check(ckpt_path, option=f"the run's folder {directory}").get("global_step")
+        option = f"the run's folder {directory}"
+        step = checkpoints.check(ckpt_path, option, strategy=config.get("trainer.strategy")).get("global_step")
     return Run(
         name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, preemption=preemption,
         resume_step=step if isinstance(step, int) else None,

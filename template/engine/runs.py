@@ -168,7 +168,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 def _status(starts: list[dict[str, Any]], folder: Path) -> str:
     if not starts:
-        return "interrupted" if (folder / "checkpoints" / "interrupted.ckpt").is_file() else "-"
+        return "interrupted" if (folder / "checkpoints" / "interrupted.ckpt").exists() else "-"
     last = starts[-1]
     status = str(last.get("status", "-"))
     if status == "interrupted":

@@ -25,7 +25,8 @@ from template.engine.loggers import LogsBeforeCheckpoints, default_loggers
 from template.engine.preemption import Preemption
 from template.engine.provenance import Provenance
 from template.engine.run import Run, periodic_checkpoint
-from template.engine.strategies import check_dp_trainer_config  # the import registers strategy "dp" with Lightning
+from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config  # registers "dp" and "fsdp"
+from template.engine.strategies.fsdp import is_fsdp
 from template.engine.trackers import TrackerRuns, resume_trackers
 from template.engine.watchdog import HangWatchdog
 
@@ -178,6 +179,13 @@ MECHANISMS: tuple[Mechanism, ...] = (
         lambda c, s: _trainer(c, "strategy") == "dp",
     ),
     Mechanism(
+        "fsdp",
+        "FSDP2: a module without its own configure_model sharding gets each child module with parameters (or "
+        "strategy.shard_layers) sharded, then the whole module; checkpoints are folders of shards",
+        "shard in your LightningModule.configure_model, or another trainer.strategy",
+        lambda c, s: is_fsdp(_trainer(c, "strategy", "")),
+    ),
+    Mechanism(
         "batch scaling",
         "sets data.batch_size from the global batch; scales the learning rate",
         "--scaling.global_batch_size=null --scaling.lr_scaling=none",
@@ -234,6 +242,12 @@ def loggers(
 def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
     """The ``plugins`` argument: atomic checkpoint writes, unless the config lists plugins of its own."""
     return {"plugins": [AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
+
+
+def strategy(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``strategy`` argument: ``fsdp`` as an instance of the project's FSDP2 strategy, since Lightning refuses
+    the name "fsdp" on CPUs before it looks the name up; {} keeps the config's."""
+    return {"strategy": FSDP2Strategy()} if trainer_config.get("strategy") == FSDP2Strategy.strategy_name else {}
 
 
 def callbacks(

@@ -1,0 +1,229 @@
+"""``strategy: fsdp``: parameters, gradients and optimizer states sharded over the processes (FSDP2, torch's
+``fully_shard``) through Lightning's ``ModelParallelStrategy``; it runs on CPUs (gloo) as on GPUs (NCCL).
+
+Lightning's own ``fsdp`` (FSDP1) needs CUDA and wraps modules; FSDP2 shards the parameters in place as DTensors, so a
+network's attributes, ``state_dict`` keys and ``net.pt`` exports stay those of the plain network.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from template.engine.atomic import atomic_torch_save
+from template.engine.errors import ConfigError, disk_errors
+from template.engine.internals import (
+    SHARDED_METADATA,
+    checkpoint_wrapper,
+    materialize_meta_module,
+    optimizers_to_device,
+)
+
+# Numerical formats FSDP2 runs: bf16-mixed gathers bf16 parameters and reduces gradients in float32.
+_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2) over all processes: each holds 1/N of the parameters, gradients and
+    optimizer states, gathers a layer's parameters just before it runs and frees them after.
+
+    The module's own ``configure_model`` may shard it (``fully_shard`` on ``self.device_mesh["data_parallel"]``);
+    a module that does not gets the default: each unit of ``shard_layers`` (by default each child module with
+    parameters) sharded on its own, then the whole module. Checkpoints are folders with one shard per process,
+    written beside their name and renamed into place.
+
+    Args:
+        shard_layers: class names (``TransformerBlock``) or import paths of the modules that become one unit each;
+            default: each child module of the LightningModule that has parameters.
+        checkpoint_layers: class names or import paths of modules whose activations are recomputed in the backward
+            pass instead of kept (activation checkpointing): less memory, one more forward.
+        reshard_after_forward: free a unit's gathered parameters after its forward (less memory, one more gather in
+            the backward pass); false keeps them until the backward pass (ZeRO-2).
+    """
+
+    strategy_name = "fsdp"
+
+    def __init__(
+        self,
+        shard_layers: list[str] | None = None,
+        checkpoint_layers: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.shard_layers = list(shard_layers) if shard_layers else None
+        self.checkpoint_layers = list(checkpoint_layers) if checkpoint_layers else []
+        self.reshard_after_forward = reshard_after_forward
+
+    @override
+    def setup_environment(self) -> None:
+        # Every process is one data-parallel shard (ModelParallelStrategy's "auto" would make it one per node).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        # ModelParallelStrategy.setup, less its demand that the module shard itself in configure_model.
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        check_precision(self.precision_plugin.precision)
+        if not is_sharded(self.model):
+            layers = shard(
+                self.model,
+                self.device_mesh["data_parallel"],
+                self.shard_layers,
+                self.checkpoint_layers,
+                self.reshard_after_forward,
+                bf16=self.precision_plugin.precision == "bf16-mixed",
+            )
+            units = ", ".join(layers)
+            rank_zero_info(f"fsdp: sharded {units}, then the whole module, over {self.world_size} processes")
+        materialize_meta_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Each process writes its shard into a folder beside ``filepath``; rank zero renames it into place once all
+        have written, so a checkpoint under its name is always whole (a kill leaves the previous one or none)."""
+        if storage_options is not None:
+            raise TypeError("strategy fsdp writes sharded checkpoints itself: storage_options is not supported")
+        from torch.distributed.checkpoint import FileSystemWriter, save
+
+        path = Path(self.broadcast(str(filepath)))
+        partial, old = path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
+        with disk_errors(path, kept="any previous checkpoint there is intact"):
+            if self.is_global_zero:
+                for leftover in (partial, old):  # from a process killed while writing
+                    shutil.rmtree(leftover, ignore_errors=True)
+                partial.mkdir(parents=True)
+            self.barrier()
+            shards = {"state_dict": checkpoint.pop("state_dict")}
+            shards |= {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
+            save(shards, storage_writer=FileSystemWriter(partial, sync_files=True))
+            if self.is_global_zero:
+                atomic_torch_save(checkpoint, partial / SHARDED_METADATA)
+            self.barrier()
+            if self.is_global_zero:
+                # Two renames: between them neither name holds a half-written checkpoint, only none at all.
+                if path.is_dir():
+                    path.rename(old)
+                elif path.exists():
+                    path.unlink()
+                partial.rename(path)
+                shutil.rmtree(old, ignore_errors=True)
+            self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # A checkpoint is data, never code to run (as AtomicCheckpointIO loads single files).
+        return super().load_checkpoint(checkpoint_path, weights_only=True)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:  # Lightning's StrategyRegistry
+        # Replaces Lightning's "fsdp" (FSDP1, CUDA only, wraps modules); FSDP1 stays reachable by class_path.
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__, override=True)
+
+
+def is_fsdp(strategy: Any) -> bool:
+    """Whether a ``trainer.strategy`` value (registry name or instance) selects this strategy."""
+    if isinstance(strategy, str):
+        return strategy.strip().lower() == FSDP2Strategy.strategy_name
+    return isinstance(strategy, FSDP2Strategy)
+
+
+def check_precision(precision: str) -> None:
+    """Raise ConfigError for a ``trainer.precision`` that strategy fsdp cannot train with."""
+    if precision not in _PRECISIONS:
+        why = (
+            "fp16 needs a gradient scaler that agrees across shards, which FSDP2 does not have"
+            if precision.startswith("16")
+            else "FSDP2 shards float32 or bfloat16 parameters only"
+        )
+        raise ConfigError(
+            f"trainer.precision={precision} is not supported with strategy fsdp ({why}); set "
+            f"--trainer.precision to one of {', '.join(_PRECISIONS)}"
+        )
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds sharded (DTensor) parameters: its ``configure_model`` sharded it."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def shard(
+    module: nn.Module,
+    mesh: Any,
+    shard_layers: list[str] | None,
+    checkpoint_layers: list[str],
+    reshard_after_forward: bool,
+    bf16: bool,
+) -> list[str]:
+    """Shard ``module`` in place: each unit, then the root; returns the units' names (for the run's first lines)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    checkpointed = _matching(module, checkpoint_layers, "checkpoint_layers")
+    for name, child in checkpointed:
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(module.get_submodule(parent_name), attribute, checkpoint_wrapper(child))
+    units = _units(module, shard_layers)  # after the wrapping: a checkpointed unit is its wrapper
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if policy is not None:
+        options["mp_policy"] = policy
+    for _, unit in units:
+        fully_shard(unit, **options)
+    fully_shard(module, **options)
+    return [name for name, _ in units] or ["no sub-module"]
+
+
+def _units(module: nn.Module, shard_layers: list[str] | None) -> list[tuple[str, nn.Module]]:
+    if shard_layers is None:
+        return [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+    return _matching(module, shard_layers, "shard_layers")
+
+
+def _matching(module: nn.Module, names: list[str], option: str) -> list[tuple[str, nn.Module]]:
+    """The outermost sub-modules whose class is named (``Linear``) or imported (``torch.nn.Linear``) in ``names``."""
+    if not names:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        cls = type(getattr(child, "_checkpoint_wrapped_module", child))
+        if cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names:
+            found.append((name, child))
+    if not found:
+        classes = sorted({type(m).__name__ for n, m in module.named_modules() if n and any(m.parameters())})
+        raise ConfigError(
+            f"trainer.strategy.{option}={names} names no sub-module of {type(module).__name__}; name classes it "
+            f"has, e.g. {classes[:6]}"
+        )
+    return found
