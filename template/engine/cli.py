@@ -295,6 +295,7 @@ class CLI(LightningCLI):
         subcommand = self.subcommand or "fit"
         config = self.config[subcommand] if self.subcommand else self.config
         preflight.check_trainer_counts(config)
+        preflight.check_strategy(self.trainer, self.model)
         if subcommand == "fit":
             preflight.build_optimizers(config, self.model)
         elif config.get("ckpt_path") is None:

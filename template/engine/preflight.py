@@ -21,6 +21,7 @@ from torch import nn
 
 from template.engine import blame
 from template.engine.errors import ConfigError
+from template.engine.strategies import FSDP2Strategy
 
 # Trainer options Lightning takes without a check and fails on deep inside fit (ZeroDivisionError, a silent no-op).
 TRAINER_COUNTS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -44,6 +45,12 @@ def check_trainer_counts(config: Any) -> None:
         value = config.get(f"trainer.{name}")
         if not valid(value):
             raise ConfigError(f"trainer.{name}={value!r} is out of range; use {expected}")
+
+
+def check_strategy(trainer: Any, model: LightningModule) -> None:
+    """The strategy's demands on the module (fsdp: its layer names, no lazy layers), before processes start."""
+    if isinstance(trainer.strategy, FSDP2Strategy):
+        trainer.strategy.check_module(model)
 
 
 def build_optimizers(config: Any, model: LightningModule) -> None:

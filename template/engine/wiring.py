@@ -26,7 +26,7 @@ from template.engine.preemption import Preemption
 from template.engine.provenance import Provenance
 from template.engine.run import Run, periodic_checkpoint
 from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config  # registers "dp" and "fsdp"
-from template.engine.strategies.fsdp import is_fsdp
+from template.engine.strategies.fsdp import check_ema, check_fsdp_trainer_config, is_fsdp
 from template.engine.trackers import TrackerRuns, resume_trackers
 from template.engine.watchdog import HangWatchdog
 
@@ -263,6 +263,7 @@ def callbacks(
         # Lightning's default bar redraws after every step, which costs more than a small model's step here.
         added.append(TimedProgressBar(refresh_rate=10))
     if subcommand == "fit":
+        check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
         monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
         added += [*([MonitorCheck(monitors)] if monitors else []), TrackerRuns(), LogsBeforeCheckpoints()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
@@ -275,9 +276,10 @@ def callbacks(
 
 
 def check_devices(trainer_config: dict[str, Any]) -> None:
-    """Resolve ``devices: free:N`` and check dp's settings, before Lightning's checks whose messages cannot help."""
+    """Resolve ``devices: free:N``, check dp's and fsdp's settings: before Lightning's less helpful checks."""
     resolve_free_devices(trainer_config)
     check_dp_trainer_config(trainer_config)
+    check_fsdp_trainer_config(trainer_config)
 
 
 def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: Any = None) -> None:

@@ -8,6 +8,7 @@ network's attributes, ``state_dict`` keys and ``net.pt`` exports stay those of t
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,8 @@ from template.engine.internals import (
     optimizers_to_device,
 )
 
-# Numerical formats FSDP2 runs: bf16-mixed gathers bf16 parameters and reduces gradients in float32.
-_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+# The precisions ModelParallelStrategy takes; bf16-mixed here also gathers bf16 parameters and reduces in float32.
+_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -84,7 +85,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         # ModelParallelStrategy.setup, less its demand that the module shard itself in configure_model.
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        check_precision(self.precision_plugin.precision)
         if not is_sharded(self.model):
             layers = shard(
                 self.model,
@@ -105,6 +105,20 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def check_module(self, module: nn.Module) -> None:
+        """Raise ConfigError, before processes start, for layer names that name nothing in ``module`` and for
+        parameters not yet created (lazy layers), which cannot be sharded."""
+        lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise ConfigError(
+                f"{type(module).__name__}'s parameter {lazy[0]} is not created yet (a lazy layer), and strategy fsdp "
+                "shards parameters before the first forward; give the layer its input size (nn.Linear instead of "
+                "nn.LazyLinear), or use strategy ddp"
+            )
+        if self.shard_layers is not None:
+            _matching(module, self.shard_layers, "shard_layers")
+        _matching(module, self.checkpoint_layers, "checkpoint_layers")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -150,23 +164,39 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def is_fsdp(strategy: Any) -> bool:
-    """Whether a ``trainer.strategy`` value (registry name or instance) selects this strategy."""
+    """Whether a ``trainer.strategy`` value selects this strategy: its registry name, an instance, or a parsed
+    ``class_path`` config."""
     if isinstance(strategy, str):
         return strategy.strip().lower() == FSDP2Strategy.strategy_name
+    class_path = strategy.get("class_path") if isinstance(strategy, Mapping) else getattr(strategy, "class_path", None)
+    if isinstance(class_path, str):
+        return class_path.rpartition(".")[2] == FSDP2Strategy.__name__
     return isinstance(strategy, FSDP2Strategy)
 
 
-def check_precision(precision: str) -> None:
-    """Raise ConfigError for a ``trainer.precision`` that strategy fsdp cannot train with."""
-    if precision not in _PRECISIONS:
-        why = (
-            "fp16 needs a gradient scaler that agrees across shards, which FSDP2 does not have"
-            if precision.startswith("16")
-            else "FSDP2 shards float32 or bfloat16 parameters only"
-        )
+def check_fsdp_trainer_config(trainer: Mapping[str, Any]) -> None:
+    """Before the Trainer is built: if ``trainer`` selects fsdp, raise ConfigError for a precision it refuses."""
+    precision = str(trainer.get("precision") or "32-true")
+    if not is_fsdp(trainer.get("strategy")) or precision in _PRECISIONS:
+        return
+    why = (
+        "fp16 mixed precision needs a gradient scaler that agrees across shards, which FSDP2 does not have"
+        if precision.startswith("16")
+        else "Lightning's ModelParallelStrategy does not run it"
+    )
+    raise ConfigError(
+        f"trainer.precision={precision} is not supported with strategy fsdp ({why}); set --trainer.precision to one "
+        f"of {', '.join(_PRECISIONS)} (bf16-mixed on GPUs)"
+    )
+
+
+def check_ema(ema_decay: float | None, strategy: Any) -> None:
+    """Refuse an average of the weights (``ema``) under fsdp: it would be kept whole in every process, the memory
+    sharding saves, and written into the checkpoint's unsharded part."""
+    if ema_decay is not None and is_fsdp(strategy):
         raise ConfigError(
-            f"trainer.precision={precision} is not supported with strategy fsdp ({why}); set "
-            f"--trainer.precision to one of {', '.join(_PRECISIONS)}"
+            f"ema.decay={ema_decay} is not supported with strategy fsdp (the average would be a whole copy of the "
+            "weights in every process); set --ema.decay=null, or use strategy ddp"
         )
 
 
@@ -205,7 +235,7 @@ def shard(
 
 def _units(module: nn.Module, shard_layers: list[str] | None) -> list[tuple[str, nn.Module]]:
     if shard_layers is None:
-        return [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        return [(n, c) for n, c in module.named_children() if _has_parameters(c)]
     return _matching(module, shard_layers, "shard_layers")
 
 
@@ -221,9 +251,13 @@ def _matching(module: nn.Module, names: list[str], option: str) -> list[tuple[st
         if cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names:
             found.append((name, child))
     if not found:
-        classes = sorted({type(m).__name__ for n, m in module.named_modules() if n and any(m.parameters())})
+        classes = sorted({type(m).__name__ for n, m in module.named_modules() if n and _has_parameters(m)})
         raise ConfigError(
             f"trainer.strategy.{option}={names} names no sub-module of {type(module).__name__}; name classes it "
             f"has, e.g. {classes[:6]}"
         )
     return found
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
