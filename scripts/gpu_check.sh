@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU paths on one real GPU, in order, each resuming the previous run's last checkpoint (--ckpt_path last):
 # one device, strategy dp over [0], strategy ddp with one process over NCCL, bf16-mixed, devices free:1 under ddp,
-# then the one-line refusal of a free-memory floor no GPU meets. CI has no GPU; run this by hand after
+# strategy fsdp (bf16, NCCL) twice, then the one-line refusal of a free-memory floor no GPU meets. CI has no GPU;
+# run this by hand after
 #   pip install "torch==<a CUDA build>" -e ".[dev,gpu]"
 # Every step is bounded by `timeout`; the scratch folder is printed and kept for inspection. PYTHON picks the
 # interpreter (default: python).
@@ -38,6 +39,11 @@ step bf16 --config configs/bf16.yaml --trainer.accelerator=gpu
 grep -q "bf16" "$work/bf16.log" || { echo "FAILED: bf16 run does not mention bf16"; exit 1; }
 step free_ddp --config configs/ddp.yaml --trainer.devices=free:1
 grep -q "training on GPU(s) \[0\]" "$work/free_ddp.log" || { echo "FAILED: free:1 did not report its pick"; exit 1; }
+# The whole checkpoint of the ddp run loads into the shards; the next step resumes from fsdp's sharded folder.
+step fsdp --config configs/fsdp.yaml "--trainer.devices=[0]"
+step fsdp_resumed --config configs/fsdp.yaml "--trainer.devices=[0]"
+grep -q "distributed_backend=nccl" "$work/fsdp.log" || { echo "FAILED: fsdp did not use NCCL"; exit 1; }
+grep -q "fsdp: sharded" "$work/fsdp.log" || { echo "FAILED: fsdp did not announce its sharding"; exit 1; }
 
 echo "== refusal: free:1,min=100000GiB"
 set +e

@@ -17,6 +17,9 @@ from conftest import CONFIGS, PACKAGE, REPO, cli_env, made_once
 
 from template.engine import checkpoints
 from template.nets import MLP
+from tests.test_sweep import WAIT as SWEEP_WAIT
+from tests.test_sweep import _env as _sweep_env
+from tests.test_sweep import _study, _sweep_args
 
 FSDP = ["--config", str(CONFIGS / "fsdp_cpu.yaml")]
 TINY = [
@@ -124,15 +127,21 @@ def test_a_whole_checkpoint_loads_into_the_shards(run_cli, tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_a_run_continues_on_another_number_of_processes(fsdp_run: Path, run_cli, tmp_path: Path) -> None:
-    """The shards are re-split for one process; the random states cannot be, and a line says so."""
+    """The shards are re-split for one process; the random states cannot be, and a line says so. Folders a kill left
+    mid-write (a half-written checkpoint, a replaced one) are never resumed from, and the next save removes them."""
     shutil.copytree(fsdp_run / "lightning_logs", tmp_path / "lightning_logs")
+    folder = tmp_path / "lightning_logs" / "f" / "checkpoints"
+    (folder / ".last.ckpt.partial").mkdir()
+    (folder / ".last.ckpt.partial" / "__0_0.distcp").write_bytes(b"half")
+    shutil.copytree(folder / "last.ckpt", folder / ".last.ckpt.old")
     more = [a.replace("max_epochs=2", "max_epochs=3") for a in TINY]
     warnings_shown = cli_env(PYTHONWARNINGS="default")
     done = run_cli("fit", *FSDP, *more, "--run.name=f", "--trainer.devices=1", env=warnings_shown, timeout=WAIT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "random states of 2 processes but this run has 1" in done.stdout + done.stderr, done.stderr[-3000:]
-    last = tmp_path / "lightning_logs" / "f" / "checkpoints" / "last.ckpt"
-    assert checkpoints.load_sharded(last)["global_step"] == 12
+    assert "resuming from lightning_logs/f/checkpoints/last.ckpt (epoch 1, step 8)" in done.stdout + done.stderr
+    assert checkpoints.load_sharded(folder / "last.ckpt")["global_step"] == 12
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".ckpt")) == []
 
 
 @pytest.mark.slow
@@ -168,3 +177,16 @@ def test_fsdp_mistakes_are_one_line_before_anything_is_written(
     assert all(w in errors[0] for w in words), errors[0]
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "lightning_logs").exists() or not any((tmp_path / "lightning_logs").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * SWEEP_WAIT)
+def test_a_sweeps_trials_are_fsdp_runs(tmp_path: Path, run_cli) -> None:
+    args = _sweep_args(tmp_path, n_trials=2, config="fsdp_cpu.yaml")
+    done = run_cli(*args, timeout=SWEEP_WAIT, env=_sweep_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    folder = tmp_path / "lightning_logs" / "s"
+    assert [t.state.name for t in _study(folder).trials] == ["COMPLETE", "COMPLETE"]
+    for trial in ("trial-0000", "trial-0001"):
+        assert checkpoints.is_sharded(folder / trial / "checkpoints" / "last.ckpt")
+        assert SHARDED_LINE in (folder / f"{trial}.log").read_text()

@@ -6,6 +6,7 @@ silently switching a guarantee off (the hang watchdog, exact resume, preemption)
 
 from __future__ import annotations
 
+import copy
 import signal
 import subprocess
 import sys
@@ -335,3 +336,34 @@ def test_built_experiment_is_none_until_a_logger_creates_it(tmp_path) -> None:  
         assert not Path(logger.save_dir).exists(), "asking created nothing"
         built = logger.experiment
         assert internals.built_experiment(logger) is built
+
+
+def test_fsdp_helpers_do_what_model_parallel_strategy_does(tmp_path) -> None:  # noqa: ANN001
+    # The name ModelParallelStrategy.load_checkpoint reads a sharded checkpoint's unsharded part from.
+    from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+    assert internals.SHARDED_METADATA == "meta.pt"
+    assert "_METADATA_FILENAME" in _load_checkpoint.__code__.co_names
+
+    # Parameters made on the meta device are allocated, with their initialisation run.
+    with torch.device("meta"):
+        layer = nn.Linear(3, 2)
+    internals.materialize_meta_module(layer, torch.device("cpu"))
+    assert layer.weight.device.type == "cpu" and layer.weight.abs().sum() > 0
+
+    # Optimizer states follow to the device (a no-op move on the CPU, but the call must exist and run).
+    optimizer = torch.optim.Adam(layer.parameters())
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    internals.optimizers_to_device([optimizer], torch.device("cpu"))
+    assert optimizer.state[layer.weight]["exp_avg"].device.type == "cpu"
+
+    # Activation checkpointing keeps the module's outputs, gradients and state_dict keys.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    wrapped = nn.Sequential(*[internals.checkpoint_wrapper(m) for m in copy.deepcopy(plain)])
+    x = torch.randn(5, 3)
+    plain(x).sum().backward()
+    wrapped(x).sum().backward()
+    assert wrapped.state_dict().keys() == plain.state_dict().keys()
+    assert torch.equal(wrapped[0]._checkpoint_wrapped_module.weight.grad, plain[0].weight.grad)
