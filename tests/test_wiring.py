@@ -3,44 +3,37 @@
 from __future__ import annotations
 
 import pytest
-from jsonargparse import Namespace
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import MLFlowLogger
 
 from template.engine import wiring
 from template.engine.checkpoint_io import AtomicCheckpointIO
+from template.engine.compile import CompileNetwork
 from template.engine.ema import EMA, EMAOptions
 from template.engine.loggers import LogsBeforeCheckpoints
+from template.engine.mechanism import first_lines
 from template.engine.preemption import Preemption
 from template.engine.provenance import Provenance
 from template.engine.run import Run
+from template.engine.scaling import BatchScaling
+from template.engine.strategies import DataParallelStrategy, FSDP2Strategy
 from template.engine.trackers import TrackerRuns
 
 
-def _config(**overrides: object) -> Namespace:
-    config = Namespace()
-    defaults = {
-        "trainer.logger": None,
-        "trainer.plugins": None,
-        "trainer.enable_progress_bar": None,
-        "trainer.strategy": "auto",
-        "trainer.devices": 1,
-        "run.preemption": True,
-        "run.save_every_n_steps": None,
-        "checkpoint.monitor": "val_acc",
-        "scaling.global_batch_size": None,
-        "scaling.lr_scaling": "none",
-        "compile.enabled": False,
-    }
-    for key, value in {**defaults, **overrides}.items():
-        config[key] = value
-    return config
+def _trainer(subcommand: str = "fit", **trainer_config: object) -> Trainer:
+    """A Trainer with what the command line adds for ``trainer_config`` (as the parsed config holds it)."""
+    run = Run(None, None, None, resume=False, preemption=trainer_config.pop("preemption", True))
+    pieces = {**wiring.plugins(trainer_config), **wiring.callbacks(trainer_config, subcommand, run, None)}
+    return Trainer(accelerator="cpu", logger=False, **{**trainer_config, **pieces})
 
 
 def test_first_lines_name_the_changes_to_user_objects_and_their_switches() -> None:
-    text = wiring.announce(_config(**{"trainer.strategy": "dp"}), "fit")
+    text = first_lines(_trainer(strategy=FSDP2Strategy(), devices=2), fit=True)
     for name, switch in [
-        ("dp", "another trainer.strategy"),
+        ("fsdp", "another trainer.strategy"),
         ("preemption", "--run.preemption=false"),
         ("atomic checkpoints", "--trainer.plugins=[]"),
+        ("checkpoints", "--checkpoint.monitor="),
     ]:
         assert any(line.strip().startswith(name) and switch in line for line in text.splitlines()), (name, text)
 
@@ -48,38 +41,47 @@ def test_first_lines_name_the_changes_to_user_objects_and_their_switches() -> No
 @pytest.mark.parametrize(
     ("switch", "gone"),
     [
-        ({"run.preemption": False}, ("preemption",)),
-        ({"trainer.plugins": []}, ("atomic checkpoints",)),
-        ({"trainer.enable_progress_bar": False}, ("progress bar",)),
+        ({"preemption": False}, ("preemption",)),
+        ({"plugins": []}, ("atomic checkpoints",)),
+        ({"enable_progress_bar": False}, ("progress bar",)),
     ],
 )
 def test_a_switched_off_mechanism_is_not_announced(switch: dict, gone: tuple) -> None:
-    before = wiring.announce(_config(), "fit")
-    after = wiring.announce(_config(**switch), "fit")
+    before = first_lines(_trainer(), fit=True)
+    after = first_lines(_trainer(**switch), fit=True)
     for name in gone:
         assert f"  {name} " in before and f"  {name} " not in after, name
 
 
 def test_evaluation_announces_no_training_mechanism() -> None:
-    text = wiring.announce(_config(), "validate")
-    assert "preemption" not in text and "periodic checkpoint" not in text
+    text = first_lines(_trainer("validate"), fit=False)
+    assert "preemption" not in text and "periodic checkpoint" not in text and "only last.ckpt" not in text
 
 
-def test_pieces_follow_their_switches() -> None:
+def test_an_idle_object_announces_nothing() -> None:
+    idle = [CompileNetwork(enabled=False), BatchScaling()]
+    assert [c.announcement for c in idle] == [None, None]
+    busy = [CompileNetwork(enabled=True), BatchScaling(global_batch_size=64), DataParallelStrategy()]
+    assert [c.announcement.name for c in busy] == ["compile", "batch scaling", "dp"]
+
+
+def test_pieces_follow_their_switches(tmp_path) -> None:  # noqa: ANN001
     run = Run(None, None, None, resume=False)
     added = wiring.callbacks({}, "fit", run, "val_acc")["callbacks"]
     kinds = [type(c) for c in added]
     assert kinds == [
         wiring.TimedProgressBar,
         wiring.MonitorCheck,
-        TrackerRuns,
         LogsBeforeCheckpoints,
         Preemption,
         Provenance,
     ]
     quiet = Run(None, None, None, resume=False, preemption=False)
     kinds = [type(c) for c in wiring.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
-    assert kinds == [TrackerRuns, LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder
+    assert kinds == [LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder
+    tracker = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # built lazily: nothing is written
+    mlflow = [type(c) for c in wiring.callbacks({}, "fit", quiet, None, trackers=[tracker])["callbacks"]]
+    assert TrackerRuns in mlflow
     averaged = [type(c) for c in wiring.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]]
     # A stop's checkpoint at a batch's end holds that batch's update of the average.
     assert averaged.index(EMA) < averaged.index(Preemption)

@@ -12,10 +12,15 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from template.engine.atomic import atomic_torch_save
 from template.engine.errors import disk_errors
+from template.engine.mechanism import Mechanism
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves survive SIGKILL at any moment and whose loads are ``weights_only``."""
+
+    announcement = Mechanism(
+        "atomic checkpoints", "written beside the target, fsynced, renamed; loaded weights-only", "--trainer.plugins=[]"
+    )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         """Write ``checkpoint`` to a temporary file beside ``path``, fsync it, and rename it onto ``path``."""

@@ -43,6 +43,7 @@ from template.engine.errors import (
 )
 from template.engine.final_test import evaluate_best
 from template.engine.gpus import add_gpu_arguments
+from template.engine.mechanism import first_lines
 from template.engine.predictions import PredictionWriter
 from template.engine.preemption import restore_signal_handlers
 from template.engine.resume import RNGStateCheckpoint
@@ -274,16 +275,23 @@ class CLI(LightningCLI):
             **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
             **wiring.strategy(trainer_config),
-            **wiring.callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema")),
+            **wiring.callbacks(
+                trainer_config,
+                subcommand,
+                run,
+                config.get("checkpoint.monitor"),
+                config.get("ema"),
+                built.get("trackers"),
+            ),  # fmt: skip
             **run_folder_arguments(run, trainer_config, built.get("checkpoint")),
             **kwargs,
         }
-        rank_zero_info(wiring.announce(config, subcommand))
 
         def build() -> Trainer:
             wiring.check_devices(trainer_config)
             trainer = super(CLI, self).instantiate_trainer(**kwargs)
             wiring.after_trainer(trainer, built.get("float32_matmul_precision"), trainer_config.get("callbacks"))
+            rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
             return trainer
 
         return wiring.trainer_errors_as_config_errors(build, trainer_config)

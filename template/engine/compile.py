@@ -9,6 +9,7 @@ from torch import nn
 
 from template.engine.errors import ConfigError
 from template.engine.internals import is_compiled_in_place
+from template.engine.mechanism import Mechanism
 
 
 class CompileNetwork(Callback):
@@ -38,6 +39,12 @@ class CompileNetwork(Callback):
         self.enabled = enabled
         self.module_name = module_name
         self.options: dict[str, Any] = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
+
+    @property
+    def announcement(self) -> Mechanism | None:
+        if not self.enabled:
+            return None
+        return Mechanism("compile", "torch.compile of your module's network, in place", "--compile.enabled=false")
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Callbacks' setup runs before the strategy wraps the model (DDP, dp), so the wrappers see a compiled net.

@@ -10,6 +10,7 @@ from torch import nn
 from typing_extensions import override
 
 from template.engine.errors import ConfigError
+from template.engine.mechanism import Mechanism
 
 
 class EMA(EMAWeightAveraging):
@@ -19,6 +20,12 @@ class EMA(EMAWeightAveraging):
     reach the whole command line object and, under DDP, the launcher's process handles, which cannot be copied; the
     average needs only the parameters and buffers, so such callables are left out of the copy.
     """
+
+    announcement = Mechanism(
+        "ema",
+        "an exponential moving average of the weights, used by validation, checkpoints and export",
+        "--ema.decay=null",
+    )
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -21,6 +21,7 @@ from typing_extensions import override
 from template.engine import internals
 from template.engine.atomic import atomic_write, undone_on_failure
 from template.engine.errors import ConfigError, DiskError, disk_errors
+from template.engine.mechanism import Mechanism
 
 HPARAMS = "hparams.yaml"
 METRICS = "metrics.csv"
@@ -118,6 +119,12 @@ class CSVLogger(_TimedSave, _CSVLogger):
     rows from there on are dropped: the resumed run logs them again, so every step appears once.
     """
 
+    announcement = Mechanism(
+        "loggers",
+        "CSV and TensorBoard, written every 5 s, before each checkpoint and at the end, plus trackers",
+        "--trainer.logger=false, or your own logger",
+    )
+
     def __init__(self, *args: Any, resume: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._resume = resume
@@ -161,6 +168,8 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
     With ``resume=True`` its first logged step tells TensorBoard to hide the interrupted run's events from that step
     on (what ``SummaryWriter(purge_step=...)`` writes), and no second ``hp_metric`` is logged at step 0.
     """
+
+    announcement = CSVLogger.announcement
 
     def __init__(self, *args: Any, resume: bool = False, resume_step: int | None = None, **kwargs: Any) -> None:
         if resume:

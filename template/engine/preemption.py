@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from template.engine import checkpoints
 from template.engine.internals import cluster_environment, stop_as_on_sigterm
 from template.engine.jobs import requeue_slurm_job
+from template.engine.mechanism import Mechanism
 from template.engine.resume import exact_resume_point
 
 INTERRUPTED = "interrupted.ckpt"
@@ -44,6 +45,12 @@ class Preemption(Callback):
     checkpoint: nothing has been trained. A second Ctrl-C stops at once (``KeyboardInterrupt``, Lightning's own
     shutdown).
     """
+
+    announcement = Mechanism(
+        "preemption",
+        "SIGTERM/SIGUSR1/Ctrl-C save interrupted.ckpt where a resume is exact, exit 128+signal (and requeue on SLURM)",
+        "--run.preemption=false",
+    )
 
     def __init__(self) -> None:
         self._received: int | None = None

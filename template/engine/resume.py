@@ -14,6 +14,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from template.engine import internals
+from template.engine.mechanism import Mechanism
 from template.engine.resumable_loader import (
     global_states,
     make_resumable,
@@ -45,6 +46,12 @@ class RNGStateCheckpoint(Callback):
     trained on by index. Checkpoints hold only tensors and plain Python values, so they load with
     ``torch.load(weights_only=True)``.
     """
+
+    announcement = Mechanism(
+        "random states",
+        "saved in every checkpoint per process, for an exact resume",
+        "always on (it only adds to checkpoints)",
+    )
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None

@@ -20,6 +20,7 @@ from typing_extensions import override
 from template.engine import checkpoints
 from template.engine.atomic import atomic_write, prove_writable, undone_on_failure
 from template.engine.errors import ConfigError, disk_errors
+from template.engine.mechanism import Mechanism
 from template.engine.resume import exact_resume_point
 
 LOGS = "lightning_logs"
@@ -125,6 +126,10 @@ class PeriodicCheckpoint(Callback):
     validation later than the step it is due: never between micro-batches, at an epoch's last batch or right before
     a validation. ``ModelCheckpoint(every_n_train_steps=...)`` would write at those too.
     """
+
+    announcement = Mechanism(
+        "periodic checkpoint", "last-step.ckpt every run.save_every_n_steps steps", "--run.save_every_n_steps=null"
+    )
 
     FILENAME = "last-step.ckpt"
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from template.engine.errors import ConfigError
 from template.engine.internals import child_schedulers, last_lr_attribute
+from template.engine.mechanism import Mechanism
 
 LRScaling = Literal["none", "linear", "sqrt"]
 
@@ -105,6 +106,16 @@ class BatchScaling(Callback):
         self.summary: dict[str, Any] = {}
         # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
         self._applied_factor = 1.0
+
+    @property
+    def announcement(self) -> Mechanism | None:
+        if self.global_batch_size is None and self.lr_scaling == "none":
+            return None
+        return Mechanism(
+            "batch scaling",
+            "sets data.batch_size from the global batch; scales the learning rate",
+            "--scaling.global_batch_size=null --scaling.lr_scaling=none",
+        )
 
     def apply_batch_size(self, trainer: Trainer, datamodule: Any, module: Any = None) -> int | None:
         """Set the batch size from the global batch (idempotent) where Lightning's batch-size finder would; returns

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from template.engine.atomic import atomic_write
+from template.engine.mechanism import Mechanism
 
 FILENAME = "trackers.json"
 # The constructor argument of each tracker that names the run to continue.
@@ -34,6 +35,11 @@ def _keys(trackers: Sequence[Logger]) -> list[str | None]:
         count = sum(key is not None and key.split("#")[0] == name for key in keys)
         keys.append(None if name is None else f"{name}#{count + 1}" if count else name)
     return keys
+
+
+def has_trackers(loggers: Sequence[Any]) -> bool:
+    """Whether any of ``loggers`` is an MLflow or W&B tracker, whose run a restart continues."""
+    return any(isinstance(logger, tuple(_ID_ARGUMENT)) for logger in loggers)
 
 
 def _read(folder: Path) -> dict[str, dict[str, Any]]:
@@ -102,6 +108,12 @@ class TrackerRuns(Callback):
     MLflow gets ``config.yaml`` (and each ``config.restart-<n>.yaml``) as artifacts; W&B gets the flattened config
     in its run config. Other loggers are left as they are.
     """
+
+    announcement = Mechanism(
+        "tracker runs",
+        "a named run's MLflow/W&B runs continue on restart (ids in trackers.json); the config is logged to them",
+        "remove trackers",
+    )
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

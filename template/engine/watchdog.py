@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from template.engine.errors import ConfigError
 from template.engine.internals import launched_children, process_group_timeout, set_process_group_timeout
 from template.engine.jobs import die_with_parent
+from template.engine.mechanism import Mechanism
 
 
 class HangWatchdog(Callback):
@@ -30,6 +31,12 @@ class HangWatchdog(Callback):
         grace: seconds the launching process gives its child ranks to exit on their own after an error (not after
             a timeout: then a rank is hung) before killing them.
     """
+
+    announcement = Mechanism(
+        "hang watchdog",
+        "a rank waiting longer than watchdog.timeout s ends the job; each rank ends its process group at exit",
+        "none; raise --watchdog.timeout (Lightning's: 1800)",
+    )
 
     def __init__(self, timeout: float = 600.0, grace: float = 3.0) -> None:
         if timeout <= 0:

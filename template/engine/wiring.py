@@ -1,14 +1,14 @@
-"""What the command line adds to a Trainer, in the order it acts, each with the option that switches it off.
+"""What the command line adds to a Trainer: the functions below build each piece from the parsed configuration.
 
-``MECHANISMS`` is the list a reader (and the run's first lines) sees; the functions below it build each piece from
-the parsed configuration. ``engine/cli.py`` calls them from LightningCLI's hooks and nothing else adds to a run.
+``engine/cli.py`` calls them from LightningCLI's hooks and nothing else adds to a run. Each piece that changes the
+run carries its ``announcement`` (``engine/mechanism.py``): what it does and the option that switches it off, which
+the run's first lines list.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -22,203 +22,14 @@ from template.engine.errors import ConfigError, explain_trainer_error, one_line
 from template.engine.gpus import apply_matmul_precision, resolve_free_devices
 from template.engine.internals import skip_idle_step_hooks
 from template.engine.loggers import LogsBeforeCheckpoints, default_loggers
+from template.engine.mechanism import Mechanism
 from template.engine.preemption import Preemption
 from template.engine.provenance import Provenance
 from template.engine.run import Run, periodic_checkpoint
 from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config  # registers "dp" and "fsdp"
-from template.engine.strategies.fsdp import check_ema, check_fsdp_trainer_config, is_fsdp
-from template.engine.trackers import TrackerRuns, resume_trackers
+from template.engine.strategies.fsdp import check_ema, check_fsdp_trainer_config
+from template.engine.trackers import TrackerRuns, has_trackers, resume_trackers
 from template.engine.watchdog import HangWatchdog
-
-
-@dataclass(frozen=True)
-class Mechanism:
-    """One thing the command line adds to a run: what it changes, and the option that switches it off."""
-
-    name: str
-    does: str
-    off: str
-    # Whether it is on for this run's configuration (the subcommand's section of the parsed config).
-    active: Callable[[Any, str], bool]
-    # Checks that only stop a wrong run, and files every run writes, are listed here but not in the first lines.
-    announced: bool = True
-
-
-def _trainer(config: Any, key: str, default: Any = None) -> Any:
-    value = config.get(f"trainer.{key}")
-    return default if value is None else value
-
-
-def _fit(config: Any, subcommand: str) -> bool:
-    return subcommand == "fit"
-
-
-# In the order they act: while the Trainer is built, then during the run. The first lines list those on (`announce`).
-MECHANISMS: tuple[Mechanism, ...] = (
-    Mechanism(
-        "devices free:N",
-        "picks the GPUs with the most free memory",
-        "list them: --trainer.devices=[0,1]",
-        lambda c, s: str(_trainer(c, "devices", "")).startswith("free:"),
-    ),
-    Mechanism(
-        "device checks",
-        "strategy dp's settings and devices checked before Lightning's own checks",
-        "none (a check only stops a wrong run)",
-        lambda c, s: True,
-        announced=False,
-    ),
-    Mechanism(
-        "loggers",
-        "CSV and TensorBoard, written every 5 s, before each checkpoint and at the end, plus trackers",
-        "--trainer.logger=false, or your own logger",
-        lambda c, s: _trainer(c, "logger", True) is True,
-    ),
-    Mechanism(
-        "atomic checkpoints",
-        "written beside the target, fsynced, renamed; loaded weights-only",
-        "--trainer.plugins=[]",
-        lambda c, s: c.get("trainer.plugins") is None,
-    ),
-    Mechanism(
-        "progress bar",
-        "redrawn every 10 steps, at most 4 times a second",
-        "--trainer.enable_progress_bar=false, or your own bar",
-        lambda c, s: _trainer(c, "enable_progress_bar", True) is not False,
-    ),
-    Mechanism(
-        "random states",
-        "saved in every checkpoint per process, for an exact resume",
-        "always on (it only adds to checkpoints)",
-        lambda c, s: True,
-    ),
-    Mechanism(
-        "preemption",
-        "SIGTERM/SIGUSR1/Ctrl-C save interrupted.ckpt where a resume is exact, exit 128+signal (and requeue on SLURM)",
-        "--run.preemption=false",
-        lambda c, s: s == "fit" and c.get("run.preemption") is not False,
-    ),
-    Mechanism(
-        "provenance",
-        "provenance.json in the run's folder: command, git state, versions, devices, times, exit status",
-        "none (it only writes a file)",
-        _fit,
-        announced=False,
-    ),
-    Mechanism(
-        "tracker runs",
-        "a named run's MLflow/W&B runs continue on restart (ids in trackers.json); the config is logged to them",
-        "remove trackers",
-        lambda c, s: s == "fit" and bool(c.get("trackers")),
-    ),
-    Mechanism(
-        "ema",
-        "an exponential moving average of the weights, used by validation, checkpoints and export",
-        "--ema.decay=null",
-        lambda c, s: s == "fit" and c.get("ema.decay") is not None,
-    ),
-    Mechanism(
-        "periodic checkpoint",
-        "last-step.ckpt every run.save_every_n_steps steps",
-        "--run.save_every_n_steps=null",
-        lambda c, s: s == "fit" and c.get("run.save_every_n_steps") is not None,
-    ),
-    Mechanism(
-        "cluster check",
-        "devices x num_nodes compared with what torchrun or SLURM started",
-        "none (a check only stops a wrong run)",
-        lambda c, s: True,
-        announced=False,
-    ),
-    Mechanism(
-        "matmul precision",
-        "float32 matmuls may use TF32 on CUDA (float32_matmul_precision: auto)",
-        "--float32_matmul_precision=highest",
-        lambda c, s: True,
-        announced=False,
-    ),
-    Mechanism(
-        "hang watchdog",
-        "a rank waiting longer than watchdog.timeout s ends the job; each rank ends its process group at exit",
-        "none; raise --watchdog.timeout (Lightning's: 1800)",
-        lambda c, s: True,
-    ),
-    Mechanism(
-        "preflight",
-        "before anything is written: trainer counts checked, optimizers and schedulers built from the module's "
-        "parameters, values a library refuses and missing extras reported in one line (engine/preflight.py)",
-        "none (a check only stops a wrong run)",
-        lambda c, s: True,
-        announced=False,
-    ),
-    Mechanism(
-        "run folder",
-        "created, proven writable and locked for this process before anything is written; removed again when the "
-        "command stops on a mistake or the disk before its first training step (engine/run.py claim)",
-        "none",
-        lambda c, s: True,
-        announced=False,
-    ),
-    Mechanism(
-        "config.yaml",
-        "the full config saved in the run's folder; a restart keeps the first and saves a changed one beside it",
-        "none",
-        lambda c, s: True,
-        announced=False,
-    ),
-    Mechanism(
-        "compile",
-        "torch.compile of your module's network, in place",
-        "--compile.enabled=false",
-        lambda c, s: bool(c.get("compile.enabled")),
-    ),
-    Mechanism(
-        "dp",
-        "swaps your module's network attribute for DataParallel during the run",
-        "another trainer.strategy",
-        lambda c, s: _trainer(c, "strategy") == "dp",
-    ),
-    Mechanism(
-        "fsdp",
-        "FSDP2: a module without its own configure_model sharding gets each child module with parameters (or "
-        "strategy.shard_layers) sharded, then the whole module; checkpoints are folders of shards",
-        "shard in your LightningModule.configure_model, or another trainer.strategy",
-        lambda c, s: is_fsdp(_trainer(c, "strategy", "")),
-    ),
-    Mechanism(
-        "batch scaling",
-        "sets data.batch_size from the global batch; scales the learning rate",
-        "--scaling.global_batch_size=null --scaling.lr_scaling=none",
-        lambda c, s: c.get("scaling.global_batch_size") is not None or c.get("scaling.lr_scaling") != "none",
-    ),
-    Mechanism(
-        "monitor check",
-        "a checkpoint.monitor (or EarlyStopping's monitor) the module does not log stops fit after the sanity check",
-        "--checkpoint.monitor=null",
-        lambda c, s: s == "fit",
-        announced=False,
-    ),
-    Mechanism(
-        "predictions",
-        "predict writes predictions.csv in the run's folder",
-        "none",
-        lambda c, s: s == "predict",
-        announced=False,
-    ),
-)
-
-
-def announce(config: Any, subcommand: str) -> str:
-    """The run's first lines: the mechanisms that are on, each with how to switch it off."""
-    active = [m for m in MECHANISMS if m.announced and m.active(config, subcommand)]
-    width = max(len(m.name) for m in active)
-    lines = [f"  {m.name:<{width}}  {m.does}  [off: {m.off}]" for m in active]
-    if subcommand == "fit" and config.get("checkpoint.monitor") is None:
-        lines.append(
-            f"  {'checkpoints':<{width}}  no checkpoint.monitor set: only last.ckpt is kept  "
-            "[best too: --checkpoint.monitor=<a logged metric> --checkpoint.mode=min|max]"
-        )
-    return "\n".join(["Added by the command line [and how to switch each off]:", *lines])
 
 
 def loggers(
@@ -251,10 +62,16 @@ def strategy(trainer_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def callbacks(
-    trainer_config: dict[str, Any], subcommand: str, run: Run, monitor: str | None, ema: Any = None
+    trainer_config: dict[str, Any],
+    subcommand: str,
+    run: Run,
+    monitor: str | None,
+    ema: Any = None,
+    trackers: list[Any] | None = None,
 ) -> dict[str, Any]:
     """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitor's check, preemption,
-    the run's provenance, its tracker runs, the weights' average (``ema``) and periodic saves."""
+    the run's provenance, its tracker runs (with ``trackers`` or a tracker as ``trainer.logger``), the weights'
+    average (``ema``) and periodic saves."""
     configured = trainer_config.get("callbacks") or []
     added: list[Callback] = []
     if trainer_config.get("enable_progress_bar") is not False and not any(
@@ -265,7 +82,10 @@ def callbacks(
     if subcommand == "fit":
         check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
         monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
-        added += [*([MonitorCheck(monitors)] if monitors else []), TrackerRuns(), LogsBeforeCheckpoints()]
+        logger = trainer_config.get("logger")
+        tracked = has_trackers([*(trackers or []), *(logger if isinstance(logger, list) else [logger])])
+        added += [*([MonitorCheck(monitors)] if monitors else []), *([TrackerRuns()] if tracked else [])]
+        added += [LogsBeforeCheckpoints()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
         # After the callbacks that change the training state at a batch's end (the average of the weights, the
         # user's): the checkpoints written there hold this batch's changes. Provenance records the signal it stopped on.
@@ -323,6 +143,12 @@ class TimedProgressBar(TQDMProgressBar):
     A redraw (the bar and its postfix of metrics) costs ~0.5 ms here: every 10th step of a 3 ms step is ~5 % of the
     run. A clock is read only on the steps the bar would redraw.
     """
+
+    announcement = Mechanism(
+        "progress bar",
+        "redrawn every 10 steps, at most 4 times a second",
+        "--trainer.enable_progress_bar=false, or your own bar",
+    )
 
     def __init__(self, refresh_rate: int = 10, min_interval: float = 0.25) -> None:
         super().__init__(refresh_rate=refresh_rate)

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from template.engine.errors import ConfigError
 from template.engine.internals import eager_call, is_compiled_in_place, layer_sync_enabled, set_compiled_call
+from template.engine.mechanism import Mechanism
 
 # Shipped with the project: the data-parallel run that needs no GPU.
 CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"
@@ -83,6 +84,10 @@ def under_callers_autocast(module: Callable[..., Any], device_type: str) -> Call
 
 class DataParallelStrategy(ParallelStrategy):
     """DataParallel in the Trainer: batch on the first listed GPU, ``module_name``'s forward replicated over all."""
+
+    announcement = Mechanism(
+        "dp", "swaps your module's network attribute for DataParallel during the run", "another trainer.strategy"
+    )
 
     strategy_name = "dp"
 

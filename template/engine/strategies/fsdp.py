@@ -30,6 +30,7 @@ from template.engine.internals import (
     materialize_meta_module,
     optimizers_to_device,
 )
+from template.engine.mechanism import Mechanism
 
 # The precisions ModelParallelStrategy takes; bf16-mixed here also gathers bf16 parameters and reduces in float32.
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -52,6 +53,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard_after_forward: free a unit's gathered parameters after its forward (less memory, one more gather in
             the backward pass); false keeps them until the backward pass (ZeRO-2).
     """
+
+    announcement = Mechanism(
+        "fsdp",
+        "FSDP2: a module without its own configure_model sharding gets each child module with parameters (or "
+        "strategy.shard_layers) sharded, then the whole module; checkpoints are folders of shards",
+        "shard in your LightningModule.configure_model, or another trainer.strategy",
+    )
 
     strategy_name = "fsdp"
 
