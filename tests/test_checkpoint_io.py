@@ -147,3 +147,32 @@ def test_the_cli_trainer_uses_the_plugin(tmp_path: Path, monkeypatch: pytest.Mon
     )
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert list(tmp_path.iterdir()) == []
+
+
+def _folder(path: Path, content: str) -> Path:
+    path.mkdir()
+    (path / "shard").write_text(content)
+    return path
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_folder_replaces_a_folder_or_a_file_whole(tmp_path: Path, monkeypatch, exchange: bool) -> None:  # noqa: ANN001
+    """How strategy fsdp puts a sharded checkpoint in place: the new folder under the name, nothing else left."""
+    if not exchange:  # a filesystem without renameat2's exchange (some network filesystems)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    target = tmp_path / "last.ckpt"
+    atomic.replace_directory(_folder(tmp_path / ".new1", "first"), target)  # nothing there yet
+    atomic.replace_directory(_folder(tmp_path / ".new2", "second"), target)  # a previous checkpoint folder
+    assert (target / "shard").read_text() == "second"
+    (tmp_path / "file.ckpt").write_text("a single-file checkpoint")
+    atomic.replace_directory(_folder(tmp_path / ".new3", "third"), tmp_path / "file.ckpt")
+    assert (tmp_path / "file.ckpt" / "shard").read_text() == "third"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.ckpt", "last.ckpt"]
+
+
+def test_renameat2_swaps_two_folders_here(tmp_path: Path) -> None:
+    # The exchange this machine's filesystem offers is the one used; where it is missing the fallback runs.
+    a, b = _folder(tmp_path / "a", "a"), _folder(tmp_path / "b", "b")
+    if not atomic._exchange(a, b):
+        pytest.skip("this filesystem has no atomic exchange (renameat2 RENAME_EXCHANGE)")
+    assert (a / "shard").read_text() == "b" and (b / "shard").read_text() == "a"

@@ -133,7 +133,7 @@ def test_a_run_continues_on_another_number_of_processes(fsdp_run: Path, run_cli,
     folder = tmp_path / "lightning_logs" / "f" / "checkpoints"
     (folder / ".last.ckpt.partial").mkdir()
     (folder / ".last.ckpt.partial" / "__0_0.distcp").write_bytes(b"half")
-    shutil.copytree(folder / "last.ckpt", folder / ".last.ckpt.old")
+    shutil.copytree(folder / "last.ckpt", folder / ".last.ckpt.partial.old")
     more = [a.replace("max_epochs=2", "max_epochs=3") for a in TINY]
     warnings_shown = cli_env(PYTHONWARNINGS="default")
     done = run_cli("fit", *FSDP, *more, "--run.name=f", "--trainer.devices=1", env=warnings_shown, timeout=WAIT)

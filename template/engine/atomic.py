@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 from collections.abc import Callable, Iterator
@@ -209,6 +211,42 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def replace_directory(new: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the folder ``new`` at ``path`` in one step, so that a kill at any moment leaves the previous folder (or
+    file) there or the new one; whatever ``path`` held is deleted afterwards.
+
+    ``os.replace`` cannot put a folder onto a non-empty one. Linux's renameat2 swaps the two names atomically; where
+    the filesystem lacks it, two renames leave, for an instant, nothing at ``path`` (never a partial folder).
+    """
+    new, path = Path(new), Path(path)
+    old = new.with_name(new.name + ".old")
+    if not path.exists():
+        new.rename(path)
+    elif path.is_dir() and _exchange(new, path):
+        old = new
+    else:
+        path.rename(old) if path.is_dir() else path.unlink()
+        new.rename(path)
+    _fsync_directory(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    rename_exchange, at_fdcwd = 2, -100
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from template.engine.atomic import atomic_torch_save
+from template.engine.atomic import atomic_torch_save, replace_directory
 from template.engine.errors import ConfigError, disk_errors
 from template.engine.internals import (
     SHARDED_METADATA,
@@ -137,10 +137,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         from torch.distributed.checkpoint import FileSystemWriter, save
 
         path = Path(self.broadcast(str(filepath)))
-        partial, old = path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
+        partial = path.with_name(f".{path.name}.partial")
         with disk_errors(path, kept="any previous checkpoint there is intact"):
             if self.is_global_zero:
-                for leftover in (partial, old):  # from a process killed while writing
+                for leftover in (partial, partial.with_name(partial.name + ".old")):  # a killed writer's
                     shutil.rmtree(leftover, ignore_errors=True)
                 partial.mkdir(parents=True)
             self.barrier()
@@ -151,13 +151,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 atomic_torch_save(checkpoint, partial / SHARDED_METADATA)
             self.barrier()
             if self.is_global_zero:
-                # Two renames: between them neither name holds a half-written checkpoint, only none at all.
-                if path.is_dir():
-                    path.rename(old)
-                elif path.exists():
-                    path.unlink()
-                partial.rename(path)
-                shutil.rmtree(old, ignore_errors=True)
+                replace_directory(partial, path)
             self.barrier()
 
     @override
