@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
@@ -68,6 +68,14 @@ EXAMPLE = {"model": f"{template.__name__}.model.Classifier", "data": f"{template
 EXAMPLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"class_path": EXAMPLE["model"], "init_args": {"net": {"class_path": f"{template.__name__}.nets.MLP"}}},
     "data": {"class_path": EXAMPLE["data"]},
+}
+# The callbacks configured in sections of their own (--checkpoint.monitor, --scaling.batch_size...), by section.
+CALLBACK_SECTIONS: dict[str, type[Callback]] = {
+    "checkpoint": ModelCheckpoint,
+    "scaling": BatchScaling,
+    "watchdog": HangWatchdog,
+    "compile": CompileNetwork,
+    "throughput": ThroughputLog,
 }
 # What the example's best checkpoint is chosen by; a module chosen by class_path names its own (checkpoint.monitor).
 EXAMPLE_MONITOR = {"checkpoint.monitor": "val_acc", "checkpoint.mode": "max"}
@@ -158,11 +166,8 @@ class CLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         self.sections = parser.groups  # trainer, model, data: `trainer:` in a config file must be a mapping
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.add_lightning_class_args(BatchScaling, "scaling")
-        parser.add_lightning_class_args(HangWatchdog, "watchdog")
-        parser.add_lightning_class_args(CompileNetwork, "compile")
-        parser.add_lightning_class_args(ThroughputLog, "throughput")
+        for option, callback in CALLBACK_SECTIONS.items():
+            parser.add_lightning_class_args(callback, option)
         add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
         parser.add_class_arguments(EMAOptions, "ema", instantiate=False)
@@ -228,10 +233,17 @@ class CLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        # Replaces Lightning's model instantiator (registered for the same type just before this hook): Lightning's
-        # records every link in the hyper-parameters, also links jsonargparse did not apply because a user's module
-        # has no such argument, and load_from_checkpoint then fails on a missing `net`.
-        self.parser.add_instantiator(_AppliedLinksOnly(cli=self, key="model"), LightningModule, subclasses=True)
+        # Every class the parser builds is built through `self.builds`: a refusal names the option that built it.
+        # Lightning registered its model and data instantiators for these types just before this hook; these replace
+        # them, and the last one takes every other class (jsonargparse's default builds it the same way).
+        self.builds = blame.Builds(self.config[self.subcommand] if self.subcommand else self.config, CALLBACK_SECTIONS)
+        record = self.builds.recording
+        # Lightning's model instantiator records every link in the hyper-parameters, also links jsonargparse did not
+        # apply because a user's module has no such argument, and load_from_checkpoint then fails on a missing `net`.
+        self.parser.add_instantiator(record(_AppliedLinksOnly(cli=self, key="model")), LightningModule, subclasses=True)
+        data = internals.instantiator_class()(cli=self, key="data")
+        self.parser.add_instantiator(record(data), LightningDataModule, subclasses=True)
+        self.parser.add_instantiator(record(), object, subclasses=True)
 
     @override
     def instantiate_classes(self) -> None:
@@ -243,21 +255,18 @@ class CLI(LightningCLI):
             cause = config_error_in(err)
             if cause is not None:
                 raise cause from None
-            # A value a library refused while a configured class was built (dropout=1.5, mode=maximum), or a
-            # package it needs that is missing (a tracker's extra): one line naming the option.
+            # A value a library refused while the parser built a class of the config (dropout=1.5, mode=maximum), or
+            # a package it needs that is missing (a tracker's extra): one line naming the option that built it.
+            built = self.builds.failure(err)
             config = self.config[self.subcommand] if self.subcommand else self.config
-            option = blame.option_being_built(err, config)
-            values = blame.leaves(config, f"{option}.init_args" if option else "")
-            refused = blame.refusal(err, option or "the configuration", values)
+            values = built.values if built is not None else blame.leaves(config, "")
+            refused = blame.refusal(err, built.option if built is not None else "the configuration", values)
             if refused is not None:
                 raise refused from None
             # The user's own class refused its values: their exception and traceback, after a line naming the option.
-            own = blame.users_exception(err) if option is not None else None
+            own = blame.users_exception(err) if built is not None else None
             if own is None:
                 raise
-            class_path = blame.leaves(config, option).get(f"{option}.class_path")  # option: trainer.callbacks[0] too
-            values = {**values, **blame.linked_arguments(err, option, class_path, values)}
-            blame.building(own, option, class_path, values)
         # Raised outside the except block, the user's exception is not chained to jsonargparse's wrapper around it.
         raise own
 
