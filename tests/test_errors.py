@@ -342,3 +342,34 @@ def test_every_strategy_the_unknown_strategy_line_offers_runs(run_cli) -> None: 
     # ddp_spawn pickles the model and its links: they are plain classes, not closures.
     done = run_cli(*BASE, "--trainer.strategy=ddp_spawn", "--trainer.accelerator=cpu", "--trainer.devices=2")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# A config file that holds no options: fit and sweep read it in one place, and refuse it with the same line.
+BAD_FILES = {
+    "broken.yaml": ("trainer:\n  max_epochs: [1\n  devices: 1\n", "is not valid YAML"),
+    "blank.yaml": ("", "is empty"),
+    "toplist.yaml": ("- trainer\n- model\n", "holds a list, not options"),
+    "nope.yaml": (None, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_fit_and_sweep_refuse_a_config_file_with_the_same_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, name: str
+) -> None:
+    from template.engine.errors import ConfigError
+    from template.engine.sweep.options import parse_command
+
+    text, fragment = BAD_FILES[name]
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [PACKAGE])
+    with pytest.raises(ConfigError) as sweep:
+        parse_command(["--config", str(CONFIGS / "sweep.yaml"), "--config", name])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", name])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and errors == [f"error: {sweep.value}"], errors
+    assert name in errors[0] and fragment in errors[0], errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([name] if text is not None else [])

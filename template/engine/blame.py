@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import inspect
 import os
 import re
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -116,10 +116,8 @@ def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError
     cause = root_cause(err)
     reason = one_line(str(cause)).rstrip(".") or type(cause).__name__
     if isinstance(cause, ImportError):
-        name = library.rsplit(".", 1)[-1]
-        option = next((k.removesuffix(".class_path") for k, v in values.items() if name in str(v)), key)
         return ConfigError(
-            f"{option} ({library}) needs a package that is not installed ({reason.split('. HINT')[0]}); "
+            f"{key} ({library}) needs a package that is not installed ({reason.split('. HINT')[0]}); "
             f"{install_hint(cause)}"
         )
     named = _options_named_in(reason, values)
@@ -139,7 +137,11 @@ def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError
 def _options_named_in(reason: str, values: dict[str, Any]) -> list[str]:
     """The options whose value the reason quotes; among several, those whose name it mentions too. None when the
     reason gives a value to a name (``save_top_k=-2``) that is not among them: a value quoted elsewhere in it (``>=
-    -1``) is then a coincidence."""
+    -1``) is then a coincidence.
+
+    Read from the library's message because nothing else says it: the parser knows which object it was building
+    and with which arguments (``Builds``), not which of them the constructor refused.
+    """
     words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", reason)}  # "-2." at a sentence's end is -2
     quoted = [k for k, v in values.items() if v is not None and not isinstance(v, bool) and str(v) in words]
     mentioned = [k for k in quoted if k.rsplit(".", 1)[-1].lower() in reason.lower()]
@@ -170,38 +172,6 @@ def _own_distribution() -> str | None:
     package = __name__.split(".")[0]
     names = importlib.metadata.packages_distributions().get(package, [])
     return names[0] if names else None
-
-
-def option_being_built(err: BaseException, config: Any) -> str | None:
-    """The option (``model.init_args.net``, ``trainer.callbacks[0]``) whose ``class_path`` names the innermost class
-    whose constructor ``err`` passed through; None when none of the config's classes was being built."""
-    options = {
-        value.rsplit(".", 1)[-1]: key.removesuffix(".class_path")
-        for key, value in _flattened(config)
-        if key.endswith(".class_path") and isinstance(value, str)
-    }
-    for frame, _ in reversed(list(_frames(root_cause(err).__traceback__))):
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
-        for cls in type(owner).__mro__ if owner is not None else ():
-            if cls.__name__ in options:
-                return options[cls.__name__]
-    return None
-
-
-def linked_arguments(err: BaseException, option: str, class_path: str | None, given: dict[str, Any]) -> dict[str, Any]:
-    """The arguments of ``option``'s class that its constructor (on ``err``'s way) received where the ``given``
-    options have none, as ``option.init_args.name`` -> value: jsonargparse applies links (``input_shape`` from the
-    data) to the object being built, not to the parsed config."""
-    name = (class_path or "").rsplit(".", 1)[-1]
-    for frame, _ in reversed(list(_frames(root_cause(err).__traceback__))):
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
-        if owner is None or name not in {cls.__name__ for cls in type(owner).__mro__}:
-            continue
-        arguments = inspect.getargvalues(frame)
-        received = {f"{option}.init_args.{arg}": arguments.locals.get(arg) for arg in arguments.args[1:]}
-        # Plain values only: a built object (a LightningModule's `net`) is no value to name, its repr no single line.
-        return {key: value for key, value in received.items() if given.get(key) is None and _plain(value)}
-    return {}
 
 
 def _plain(value: Any) -> bool:
@@ -239,26 +209,100 @@ def users_exception(err: BaseException) -> BaseException | None:
     return None
 
 
-class _Building:
-    """What was being built when the user's code raised: the option of the class, its values, and the exception."""
+@dataclass(frozen=True)
+class Build:
+    """A class the parser was building when it raised: the option naming it, its class path (None for a section of
+    its own such as ``checkpoint``), and the plain values the parser gave it as ``option.init_args.name`` -> value
+    (``option.name`` for a section), the ones jsonargparse linked in (``input_shape`` from the data) included."""
 
-    latest: _Building | None = None
+    option: str
+    class_path: str | None
+    values: dict[str, Any]
 
-    def __init__(self, err: BaseException, option: str, class_path: str | None, values: dict[str, Any]) -> None:
-        self.err, self.option, self.class_path, self.values = err, option, class_path, values
+
+class Builds:
+    """The objects the parser builds from a parsed config, as its instantiator hook reports them: for an exception
+    raised while one was built, the option that built it and the arguments it was given.
+
+    jsonargparse hands an instantiator the class and its arguments, not the option's key. The key is the config's
+    option whose ``class_path`` imports as that very class, or the section of its own (``sections``: option ->
+    class) built as it; among several (two EarlyStopping callbacks), the one whose values are those arguments.
+    """
+
+    # The latest command line's: its user-code line is printed after the command line is gone.
+    latest: Builds | None = None
+
+    def __init__(self, config: Any, sections: dict[str, type]) -> None:
+        self.config, self.sections = config, sections
+        self._failed: list[tuple[type, dict[str, Any], BaseException]] = []
+        Builds.latest = self
+
+    def recording(self, instantiator: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """``instantiator`` (None: jsonargparse's default, the class called with the arguments) for the parser's
+        ``add_instantiator``, reporting here each build that raises."""
+        return _Recording(self, instantiator)
+
+    def failure(self, err: BaseException) -> Build | None:
+        """What the parser was building when ``err``, or an exception it wraps, was raised; None when it was not
+        building a class of the config."""
+        causes = [id(cause) for cause in chain(err)]
+        failed = [(causes.index(id(e)), cls, kwargs) for cls, kwargs, e in self._failed if id(e) in causes]
+        if not failed:
+            return None
+        _, cls, kwargs = max(failed, key=lambda f: f[0])  # the innermost: nearest the root cause
+        return self._built(cls, kwargs)
+
+    def _built(self, cls: type, kwargs: dict[str, Any]) -> Build | None:
+        flat = dict(_flattened(self.config))
+        options = [
+            (key.removesuffix(".class_path"), path, f"{key.removesuffix('class_path')}init_args.")
+            for key, path in flat.items()
+            if key.endswith(".class_path") and isinstance(path, str) and _imported(path) is cls
+        ]
+        options += [(option, None, f"{option}.") for option, section in self.sections.items() if section is cls]
+        builds = [
+            Build(option, path, {f"{prefix}{name}": v for name, v in kwargs.items() if _plain(v)})
+            for option, path, prefix in options
+        ]
+        same = [b for b in builds if all(flat.get(k) is None or flat[k] == v for k, v in b.values.items())]
+        return next(iter(same or builds), None)
 
 
-def building(err: BaseException, option: str, class_path: str | None, values: dict[str, Any]) -> None:
-    """Remember that ``err`` came from the user's class of ``option`` (``class_path``) built from ``values`` (dotted
-    name -> value): the line before its traceback names them."""
-    _Building.latest = _Building(err, option, class_path, values)
+class _Recording:
+    """An instantiator reporting to ``builds`` each build that raises, with its class and arguments. A class, not a
+    closure: ``ddp_spawn`` pickles the model, whose optimizer factory holds the parser's instantiators."""
+
+    def __init__(self, builds: Builds, instantiator: Callable[..., Any] | None) -> None:
+        self.builds, self.instantiator = builds, instantiator
+
+    def __call__(
+        self, class_type: type, *args: Any, applied_instantiation_links: dict | None = None, **kwargs: Any
+    ) -> Any:
+        links = applied_instantiation_links or {}
+        try:
+            if self.instantiator is None:
+                return class_type(*args, **kwargs)
+            # The wrapped ones are Lightning's model and data instantiators, which take the links jsonargparse applied.
+            return self.instantiator(class_type, *args, applied_instantiation_links=links, **kwargs)
+        except Exception as err:
+            self.builds._failed.append((class_type, kwargs, err))
+            raise
+
+
+def _imported(path: str) -> Any:
+    """The object ``package.module.Name`` names; None when it does not import (the parse has imported it already)."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except Exception:
+        return None
 
 
 def _built_from(err: BaseException) -> str:
     """``option=value: `` for the value of the class being built that the exception quotes, else the class and all
-    its values; "" when ``err`` was not raised while building a class of the config."""
-    built = _Building.latest
-    if built is None or not any(cause is built.err for cause in chain(err)):
+    its values; "" when ``err`` was not raised while the parser built a class of the config."""
+    built = Builds.latest.failure(err) if Builds.latest is not None else None
+    if built is None:
         return ""
     reason = one_line(str(root_cause(err)))
     named = _options_named_in(reason, built.values) or _elements_named_in(reason, built.values)
@@ -271,7 +315,8 @@ def _built_from(err: BaseException) -> str:
 
 
 def _elements_named_in(reason: str, values: dict[str, Any]) -> list[str]:
-    """The one list option with an element the reason quotes (``hidden_sizes=[-3]`` for "negative dimension -3")."""
+    """The one list option with an element the reason quotes (``hidden_sizes=[-3]`` for "negative dimension -3");
+    from the message, as ``_options_named_in``."""
     words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", reason)}
     quoted = [
         key

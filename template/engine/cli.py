@@ -14,13 +14,11 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
@@ -28,13 +26,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 import template
-from template.engine import blame, checkpoints, internals, preflight, wiring
+from template.engine import blame, checkpoints, config_files, internals, preflight, wiring
 from template.engine.atomic import prove_writable
 from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
 from template.engine.ema import EMAOptions
 from template.engine.errors import (
-    ConfigError,
     config_error_in,
     disk_error_in,
     explain_parser_error,
@@ -72,6 +69,14 @@ EXAMPLE = {"model": f"{template.__name__}.model.Classifier", "data": f"{template
 EXAMPLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"class_path": EXAMPLE["model"], "init_args": {"net": {"class_path": f"{template.__name__}.nets.MLP"}}},
     "data": {"class_path": EXAMPLE["data"]},
+}
+# The callbacks configured in sections of their own (--checkpoint.monitor, --scaling.batch_size...), by section.
+CALLBACK_SECTIONS: dict[str, type[Callback]] = {
+    "checkpoint": ModelCheckpoint,
+    "scaling": BatchScaling,
+    "watchdog": HangWatchdog,
+    "compile": CompileNetwork,
+    "throughput": ThroughputLog,
 }
 # What the example's best checkpoint is chosen by; a module chosen by class_path names its own (checkpoint.monitor).
 EXAMPLE_MONITOR = {"checkpoint.monitor": "val_acc", "checkpoint.mode": "max"}
@@ -162,11 +167,8 @@ class CLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         self.sections = parser.groups  # trainer, model, data: `trainer:` in a config file must be a mapping
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.add_lightning_class_args(BatchScaling, "scaling")
-        parser.add_lightning_class_args(HangWatchdog, "watchdog")
-        parser.add_lightning_class_args(CompileNetwork, "compile")
-        parser.add_lightning_class_args(ThroughputLog, "throughput")
+        for option, callback in CALLBACK_SECTIONS.items():
+            parser.add_lightning_class_args(callback, option)
         add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
         parser.add_class_arguments(EMAOptions, "ema", instantiate=False)
@@ -200,7 +202,8 @@ class CLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # jsonargparse reports broken YAML without saying which file; name it first.
         args_list = sys.argv[1:] if args is None else list(args) if not isinstance(args, (dict, Namespace)) else []
-        files = _check_yaml_files(args_list)
+        configs, options = config_files.split(args_list)
+        files = {value: config_files.read(value) for value in configs}
         print_config = internals.print_config_action()
         # --print_config prints below, once the configuration is what the run will use.
         with print_config.skip_print_config():
@@ -209,7 +212,7 @@ class CLI(LightningCLI):
             # signature's defaults and only what the configs set. The classes the configs and options name are made
             # the defaults before parsing; only where the parse chose others (a class named some other way) is the
             # command line parsed a second time, with those.
-            named = _named_classes(files, args_list) if (subcommand := self._only_subcommand) else {}
+            named = _named_classes([*files.values()], options) if (subcommand := self._only_subcommand) else {}
             if named:
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in named.items()})
             self._parse(parser, args)
@@ -220,7 +223,7 @@ class CLI(LightningCLI):
                     {f"{subcommand}.{key}": chosen.get(key, EXAMPLE_DEFAULTS[key]) for key in {*chosen, *named}}
                 )
                 self._parse(parser, args)
-        _check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
+        config_files.check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
         settle(self.config[subcommand] if subcommand else self.config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
 
@@ -231,10 +234,17 @@ class CLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        # Replaces Lightning's model instantiator (registered for the same type just before this hook): Lightning's
-        # records every link in the hyper-parameters, also links jsonargparse did not apply because a user's module
-        # has no such argument, and load_from_checkpoint then fails on a missing `net`.
-        self.parser.add_instantiator(_AppliedLinksOnly(cli=self, key="model"), LightningModule, subclasses=True)
+        # Every class the parser builds is built through `self.builds`: a refusal names the option that built it.
+        # Lightning registered its model and data instantiators for these types just before this hook; these replace
+        # them, and the last one takes every other class (jsonargparse's default builds it the same way).
+        self.builds = blame.Builds(self.config[self.subcommand] if self.subcommand else self.config, CALLBACK_SECTIONS)
+        record = self.builds.recording
+        # Lightning's model instantiator records every link in the hyper-parameters, also links jsonargparse did not
+        # apply because a user's module has no such argument, and load_from_checkpoint then fails on a missing `net`.
+        self.parser.add_instantiator(record(_AppliedLinksOnly(cli=self, key="model")), LightningModule, subclasses=True)
+        data = internals.instantiator_class()(cli=self, key="data")
+        self.parser.add_instantiator(record(data), LightningDataModule, subclasses=True)
+        self.parser.add_instantiator(record(), object, subclasses=True)
 
     @override
     def instantiate_classes(self) -> None:
@@ -246,21 +256,18 @@ class CLI(LightningCLI):
             cause = config_error_in(err)
             if cause is not None:
                 raise cause from None
-            # A value a library refused while a configured class was built (dropout=1.5, mode=maximum), or a
-            # package it needs that is missing (a tracker's extra): one line naming the option.
+            # A value a library refused while the parser built a class of the config (dropout=1.5, mode=maximum), or
+            # a package it needs that is missing (a tracker's extra): one line naming the option that built it.
+            built = self.builds.failure(err)
             config = self.config[self.subcommand] if self.subcommand else self.config
-            option = blame.option_being_built(err, config)
-            values = blame.leaves(config, f"{option}.init_args" if option else "")
-            refused = blame.refusal(err, option or "the configuration", values)
+            values = built.values if built is not None else blame.leaves(config, "")
+            refused = blame.refusal(err, built.option if built is not None else "the configuration", values)
             if refused is not None:
                 raise refused from None
             # The user's own class refused its values: their exception and traceback, after a line naming the option.
-            own = blame.users_exception(err) if option is not None else None
+            own = blame.users_exception(err) if built is not None else None
             if own is None:
                 raise
-            class_path = blame.leaves(config, option).get(f"{option}.class_path")  # option: trainer.callbacks[0] too
-            values = {**values, **blame.linked_arguments(err, option, class_path, values)}
-            blame.building(own, option, class_path, values)
         # Raised outside the except block, the user's exception is not chained to jsonargparse's wrapper around it.
         raise own
 
@@ -397,22 +404,22 @@ def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
     }
 
 
-def _named_classes(files: dict[str, Any], argv: list[str]) -> dict[str, dict[str, str]]:
-    """The model and data classes other than the example's that the config files and options on the command line
-    name by an importable ``class_path`` (the last one naming each wins), as parser defaults; a best guess, which the
-    parse confirms."""
+def _named_classes(files: list[dict[str, Any]], options: list[str]) -> dict[str, dict[str, str]]:
+    """The model and data classes other than the example's that the config files, then the other options on the
+    command line, name by an importable ``class_path`` (the last one naming each wins), as parser defaults; a best
+    guess, which the parse confirms."""
     named: dict[str, Any] = {}
-    for i, arg in enumerate(argv):
+    for content in files:
+        for key in EXAMPLE:
+            section = content.get(key)
+            if isinstance(section, dict) and "class_path" in section:
+                named[key] = section["class_path"]
+            elif isinstance(section, str) or (section is None and key in content):
+                named[key] = section
+    for i, arg in enumerate(options):
         option, equals, value = arg.partition("=")
-        if not equals and i + 1 < len(argv):
-            value = argv[i + 1]
-        if option in ("--config", "-c") and isinstance(files.get(value), dict):
-            for key in EXAMPLE:
-                section = files[value].get(key)
-                if isinstance(section, dict) and "class_path" in section:
-                    named[key] = section["class_path"]
-                elif isinstance(section, str) or (section is None and key in files[value]):
-                    named[key] = section
+        if not equals and i + 1 < len(options):
+            value = options[i + 1]
         for key in EXAMPLE:
             if option in (f"--{key}", f"--{key}.class_path"):
                 named[key] = value
@@ -464,58 +471,6 @@ class _attribute:  # noqa: N801 - used like a function in the links above
     def __call__(self, data: LightningDataModule) -> Any:
         value = getattr(data, self.name, None)
         return list(value) if isinstance(value, tuple) else value
-
-
-def _check_yaml_files(argv: list[str]) -> dict[str, Any]:
-    """The ``--config`` files' contents by path; a ConfigError naming the first that is empty or not valid YAML."""
-    paths = [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-c")]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    files = {}
-    for path in paths:
-        if not Path(path).is_file():
-            continue  # jsonargparse reports a missing file itself
-        try:
-            files[path] = yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or one_line(err)
-            message = f"config file '{path}' is not valid YAML: {problem}{where}; fix the syntax there"
-            raise ConfigError(message) from None
-        if files[path] is None:
-            # jsonargparse refuses it with "Unexpected config:", naming no file.
-            raise ConfigError(
-                f"config file '{path}' is empty (or only comments); write its options in it as `key: value` lines "
-                "(e.g. `trainer:` then `  max_epochs: 10`), or leave it out of the command"
-            )
-    return files
-
-
-def _check_sections(files: dict[str, Any], sections: Any, config: Any) -> None:
-    """A ConfigError for a config file whose section (``trainer:``, ``checkpoint:``...) is not a mapping.
-
-    jsonargparse takes ``trainer:`` written as a list as "no trainer options" and silently resets every setting an
-    earlier file made; a section is a mapping of options, or a class path where the option takes a class.
-    """
-    for path, content in files.items():
-        if content is not None and not isinstance(content, dict):
-            raise ConfigError(
-                f"config file '{path}' holds a {_yaml_kind(content)}, not options; write `key: value` lines such as "
-                "`trainer:` followed by its options"
-            )
-        for key, value in (content or {}).items():
-            if key not in sections or value is None or isinstance(value, dict):
-                continue
-            if isinstance(value, str) and config.get(f"{key}.class_path") is not None:
-                continue  # `model: my_project.MyModel` names the class
-            raise ConfigError(
-                f"config file '{path}': `{key}:` holds a {_yaml_kind(value)} but is a section of options; write its "
-                f"options indented below it (`{key}:` then `  name: value` lines), not as a list"
-            )
-
-
-def _yaml_kind(value: Any) -> str:
-    return "list" if isinstance(value, list) else f"single value ({value!r})"
 
 
 class _NoAdvertisement(logging.Filter):

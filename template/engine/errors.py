@@ -39,8 +39,6 @@ def explain_parser_error(message: str) -> str:
         return f"unknown option '{m.group(1) or m.group(2)}'; check its spelling and nesting, or {help_hint}"
     if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
         return f"unknown argument(s) {m.group(1)}; {help_hint}"
-    if m := re.search(r'Parser key "config":.*?File does not exist: (.*)$', text):
-        return f"config file {m.group(1).strip()} does not exist; check the path given to --config"
     # A bad init_args value is reported by jsonargparse as a problem with the whole class_path.
     if m := re.search(
         r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from jsonargparse import ArgumentParser
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
+from template.engine import config_files
 from template.engine.errors import ConfigError, explain_parser_error
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -97,20 +97,15 @@ def parse_command(argv: list[str]) -> Command:
         _parser().print_help()
         print(f"\nEvery other option is fit's: {_parser().prog.rsplit(' ', 1)[0]} fit --help")
         raise SystemExit(0)
-    configs, sweep_args, fit_args = [], [], []
+    configs, rest = config_files.split(argv)
+    sweep_args, fit_args = [], []
     i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("--config", "-c") and i + 1 < len(argv):
-            configs.append(argv[i + 1])
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            configs.append(arg.split("=", 1)[1])
-        elif arg.startswith("--sweep.") or arg == "--sweep" or arg.startswith("--sweep="):
+    while i < len(rest):
+        arg = rest[i]
+        if arg.startswith("--sweep.") or arg == "--sweep" or arg.startswith("--sweep="):
             sweep_args.append(arg)
-            if "=" not in arg and i + 1 < len(argv):
-                sweep_args.append(argv[i + 1])
+            if "=" not in arg and i + 1 < len(rest):
+                sweep_args.append(rest[i + 1])
                 i += 1
         else:
             fit_args.append(arg)
@@ -118,7 +113,7 @@ def parse_command(argv: list[str]) -> Command:
     section: dict[str, Any] = {}
     texts = []
     for path in configs:
-        content = _read_yaml(path)
+        content = config_files.read(path)
         part = content.pop("sweep", None)
         if part is not None and not isinstance(part, dict):
             raise ConfigError(f"the sweep section of '{path}' is not a mapping; write `sweep:` with name, space, ...")
@@ -196,20 +191,6 @@ def _param(key: str, spec: Any) -> Param:
     if step is not None and log:
         raise ConfigError(f"{where} has both step and log: true; Optuna takes one of them")
     return Param(key, kind, low=low, high=high, log=log, step=step)
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    if not Path(path).is_file():
-        raise ConfigError(f"config file {path} does not exist; check the path given to --config")
-    try:
-        content = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file '{path}' is not valid YAML: {getattr(err, 'problem', err)}{where}") from None
-    if not isinstance(content, dict):
-        raise ConfigError(f"config file '{path}' does not hold a mapping of options")
-    return content
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
