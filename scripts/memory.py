@@ -10,7 +10,8 @@ switched by one option (``--trainer.strategy=ddp`` or ``fsdp``) and two callback
 every rank sums the bytes of the tensors it holds (the local shard of a sharded parameter, its gradient, the
 optimizer's state), and rank 0 times the next ``--steps`` steps. ddp and fsdp run in pairs, alternating which goes
 first, ``--repeats`` times; step times are compared pair by pair. On GPUs (as many as processes) each rank also
-reports ``torch.cuda.max_memory_allocated``. Writes ``memory.md`` and ``memory.csv`` to ``--out``.
+reports ``torch.cuda.max_memory_allocated``. Writes ``memory.md`` and ``memory.csv`` to ``--out``, and each run's
+JSON (``{strategy}-{repeat}-rank{N}.json`` per rank, ``-time.json`` for rank 0's clock) to ``--out/runs``.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ def run_pairs(args: argparse.Namespace, config: Path, work: Path) -> dict[str, l
 def run_one(
     args: argparse.Namespace, config: Path, work: Path, strategy: str, accelerator: str, repeat: int
 ) -> dict[str, Any]:
-    """One fresh ``fit`` process tree; its rank-0 step time and every rank's bytes."""
-    prefix = work / f"{strategy}-{repeat}"
-    timer = work / f"{strategy}-{repeat}-time.json"
+    """One fresh ``fit`` process tree; its rank-0 step time and every rank's bytes (their JSON kept in --out)."""
+    (args.out / "runs").mkdir(exist_ok=True)
+    prefix = args.out / "runs" / f"{strategy}-{repeat}"
+    timer = args.out / "runs" / f"{strategy}-{repeat}-time.json"
     probe = {"class_path": f"{MODULE}.MemoryProbe", "init_args": {"prefix": str(prefix), "at_step": args.warmup}}
     clock = {
         "class_path": _importable(StepTimer),
@@ -148,7 +150,7 @@ def run_one(
         *strategy_args(strategy, args.shard_layers),
         "--trainer.max_epochs=-1", f"--trainer.max_steps={args.warmup + args.steps}",
         "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
-        f"--trainer.default_root_dir={work / 'runs'}",
+        f"--trainer.default_root_dir={work / 'runs'}",  # checkpoints and logs: scratch
         # The probe before the timer: its counting at the last warm-up step stays out of the timed window.
         f"--trainer.callbacks+={json.dumps(probe)}", f"--trainer.callbacks+={json.dumps(clock)}",
     ]  # fmt: skip
