@@ -177,11 +177,15 @@ def _importable(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def pair_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[float]:
+    """fsdp's step time over ddp's within each pair, in run order: the machine's load at that moment cancels out."""
+    return [f["ms_per_step"] / d["ms_per_step"] for d, f in zip(runs["ddp"], runs["fsdp"], strict=True)]
+
+
 def table_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per strategy: the largest rank's bytes (what must fit on each device), step time and the ratios."""
     worst = {s: max(runs[s][-1]["ranks"], key=lambda r: r["total_bytes"]) for s in STRATEGIES}
-    # Ratios of the runs of one pair, then their median: the machine's load at that moment cancels out.
-    paired = [f["ms_per_step"] / d["ms_per_step"] for d, f in zip(runs["ddp"], runs["fsdp"], strict=True)]
+    paired = pair_ratios(runs)
     rows = []
     for strategy in STRATEGIES:
         rank = worst[strategy]
@@ -206,7 +210,7 @@ def table_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_markdown(path: Path, rows: list[dict[str, Any]], settings: str) -> None:
+def write_markdown(path: Path, rows: list[dict[str, Any]], ratios: list[float], settings: str) -> None:
     peak = any(r["cuda_peak_mb"] is not None for r in rows)
     lines = [
         f"Machine: {machine()}.",
@@ -228,6 +232,8 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], settings: str) -> Non
         "",
         "MB/rank: 10^6 bytes held by the rank holding the most; total vs ddp: that total over ddp's; step time vs ddp: "
         "the median of the ratios of the runs of each pair.",
+        "",
+        f"Step time fsdp / ddp, pair by pair: {', '.join(f'{r:.2f}' for r in ratios)}.",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -301,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"counted after {args.warmup} steps; {args.steps} timed steps, median of {args.repeats} ddp/fsdp pair(s) "
         f"run alternately in fresh processes"
     )
-    write_markdown(args.out / "memory.md", rows, settings)
+    write_markdown(args.out / "memory.md", rows, pair_ratios(runs), settings)
     write_csv(args.out / "memory.csv", rows)
     print((args.out / "memory.md").read_text())
     print(f"wrote {args.out / 'memory.md'} and {args.out / 'memory.csv'}", file=sys.stderr)

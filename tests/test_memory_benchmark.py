@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,8 @@ def test_fsdp_holds_half_of_what_ddp_holds_per_rank(tmp_path: Path) -> None:
     assert markdown.startswith("Machine: ") and "MLP 784-256-10" in markdown
     assert "| strategy | processes | sharded parameters | params MB/rank |" in markdown
     assert "| fsdp | 2 | 4/4 | 0.41 | 0.41 | 0.81 | 1.63 | 0.500 |" in markdown
+    (pair,) = re.findall(r"Step time fsdp / ddp, pair by pair: (\d+\.\d+)\.", markdown)
+    assert float(pair) == pytest.approx(float(fsdp["step_time_vs_ddp"]), abs=0.006)
     progress = [line for line in result.stderr.splitlines() if "ms/step" in line]
     assert len(progress) == 2
 
@@ -78,6 +81,7 @@ def test_step_time_ratios_are_taken_pair_by_pair() -> None:
 
     # The load changed between pairs: the pairs say 2x, 2.67x, 2x (median 2); the medians, 30 and 80 ms, say 2.67x.
     runs = {"ddp": [run(10, 100), run(30, 100), run(50, 100)], "fsdp": [run(20, 50), run(80, 50), run(100, 50)]}
+    assert memory.pair_ratios(runs) == [2.0, 80 / 30, 2.0]
     ddp, fsdp = memory.table_rows(runs)
     assert fsdp["step_time_vs_ddp"] == 2.0 and fsdp["ms_per_step"] == 80 and ddp["ms_per_step"] == 30
     assert fsdp["total_vs_ddp"] == 0.5 and ddp["step_time_vs_ddp"] == 1.0
