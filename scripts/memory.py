@@ -60,13 +60,26 @@ class MemoryProbe(Callback):
     """After ``at_step`` training steps, writes the bytes this rank holds to ``{prefix}-rank{N}.json``.
 
     Counted: parameters as this process stores them (a sharded parameter's local shard), their gradients and every
-    tensor in the optimizers' state. The step is after an optimizer step, so gradients and state both exist.
+    tensor in the optimizers' state. The step is after an optimizer step, so gradients and state both exist. Also
+    the most parameter bytes held whole at once in a forward pass up to then: fsdp gathers a sharding unit's
+    parameters just before the unit runs, so that figure is the largest unit, which the held shards do not show.
     """
 
     def __init__(self, prefix: str, at_step: int) -> None:
         self.prefix = prefix
         self.at_step = at_step
         self.batches = 0
+        self.gathered = 0
+        self.hooks: list[Any] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        def count(module: torch.nn.Module, args: Any) -> None:
+            # Runs after fsdp's own pre-forward hook, which has swapped the unit's shards for gathered parameters.
+            whole = (p for p in pl_module.parameters() if not _is_dtensor(p))
+            self.gathered = max(self.gathered, local_bytes(whole))
+
+        owners = [m for m in pl_module.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.hooks = [m.register_forward_pre_hook(count) for m in owners]
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -74,7 +87,9 @@ class MemoryProbe(Callback):
         self.batches += 1
         if self.batches != self.at_step:
             return
-        parameters = list({id(p): p for p in pl_module.parameters()}.values())  # a tied weight counts once
+        for hook in self.hooks:  # out of the timed steps that follow
+            hook.remove()
+        parameters = list(pl_module.parameters())
         state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
         device = pl_module.device
         result = {
@@ -86,6 +101,7 @@ class MemoryProbe(Callback):
             "param_bytes": local_bytes(parameters),
             "grad_bytes": local_bytes(p.grad for p in parameters),
             "optimizer_bytes": local_bytes(state),
+            "gathered_param_bytes": self.gathered,
             "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         }
         Path(f"{self.prefix}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
@@ -201,6 +217,7 @@ def table_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 "optimizer_mb": round(rank["optimizer_bytes"] / MB, 4),
                 "total_mb": round(rank["total_bytes"] / MB, 4),
                 "total_vs_ddp": round(rank["total_bytes"] / worst["ddp"]["total_bytes"], 4),
+                "gathered_param_mb": round(rank["gathered_param_bytes"] / MB, 4),
                 "cuda_peak_mb": round(max(peaks) / MB, 1) if peaks else None,
                 "ms_per_step": round(statistics.median(r["ms_per_step"] for r in runs[strategy]), 2),
                 "step_time_vs_ddp": round(statistics.median(paired), 3) if strategy == "fsdp" else 1.0,
@@ -212,26 +229,26 @@ def table_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def write_markdown(path: Path, rows: list[dict[str, Any]], ratios: list[float], settings: str) -> None:
     peak = any(r["cuda_peak_mb"] is not None for r in rows)
-    lines = [
-        f"Machine: {machine()}.",
-        "",
-        f"Settings: {settings}.",
-        "",
-        "| strategy | processes | sharded parameters | params MB/rank | grads MB/rank | optimizer MB/rank "
-        "| total MB/rank | total vs ddp |" + (" peak GPU MB/rank |" if peak else "") + " ms/step | step time vs ddp |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if peak else "") + " ---: | ---: |",
-    ]
+    columns = [
+        "strategy", "processes", "sharded parameters", "params MB/rank", "grads MB/rank", "optimizer MB/rank",
+        "total MB/rank", "total vs ddp", "params whole at once MB/rank", *(["peak GPU MB/rank"] if peak else []),
+        "ms/step", "step time vs ddp",
+    ]  # fmt: skip
+    lines = [f"Machine: {machine()}.", "", f"Settings: {settings}.", ""]
+    lines += ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     for r in rows:
         sizes = " | ".join(f"{r[key]:.2f}" for key in ("param_mb", "grad_mb", "optimizer_mb", "total_mb"))
         cuda = f" {r['cuda_peak_mb']:.1f} |" if peak else ""
         lines.append(
             f"| {r['strategy']} | {r['processes']} | {r['sharded_parameters']}/{r['parameters']} | {sizes} | "
-            f"{r['total_vs_ddp']:.3f} |{cuda} {r['ms_per_step']:.1f} | {r['step_time_vs_ddp']:.2f} |"
+            f"{r['total_vs_ddp']:.3f} | {r['gathered_param_mb']:.2f} |{cuda} {r['ms_per_step']:.1f} | "
+            f"{r['step_time_vs_ddp']:.2f} |"
         )
     lines += [
         "",
-        "MB/rank: 10^6 bytes held by the rank holding the most; total vs ddp: that total over ddp's; step time vs ddp: "
-        "the median of the ratios of the runs of each pair.",
+        "MB/rank: 10^6 bytes held by the rank holding the most; total vs ddp: that total over ddp's; params whole at "
+        "once: the most parameter bytes unsharded at one moment of a forward pass (fsdp's largest gathered unit); "
+        "step time vs ddp: the median of the ratios of the runs of each pair.",
         "",
         f"Step time fsdp / ddp, pair by pair: {', '.join(f'{r:.2f}' for r in ratios)}.",
     ]

@@ -13,7 +13,8 @@ import torch
 from tests.test_benchmark import _load, _script
 
 # The smoke run's MLP 784-256-10 in float32: weights and biases of both layers.
-PARAM_BYTES = 4 * (784 * 256 + 256 + 256 * 10 + 10)
+FIRST_LAYER_BYTES = 4 * (784 * 256 + 256)
+PARAM_BYTES = FIRST_LAYER_BYTES + 4 * (256 * 10 + 10)
 # Adam: exp_avg and exp_avg_sq per parameter, plus one float32 `step` per parameter tensor (4 tensors).
 ADAM_BYTES = 2 * PARAM_BYTES + 4 * 4
 
@@ -47,6 +48,9 @@ def test_fsdp_holds_half_of_what_ddp_holds_per_rank(tmp_path: Path) -> None:
     assert 0.4 < ratio < 0.6 and float(fsdp["total_vs_ddp"]) == pytest.approx(ratio, abs=1e-3)
     for key in ("param_mb", "grad_mb", "optimizer_mb"):
         assert 0.4 < float(fsdp[key]) / float(ddp[key]) < 0.6, key
+    # Whole at once in a forward pass: ddp's whole model; fsdp's largest gathered unit, at least the 784x256 layer.
+    assert float(ddp["gathered_param_mb"]) == pytest.approx(PARAM_BYTES / 1e6, abs=1e-4)
+    assert FIRST_LAYER_BYTES / 1e6 - 1e-4 <= float(fsdp["gathered_param_mb"]) <= PARAM_BYTES / 1e6 + 1e-4
     assert float(ddp["ms_per_step"]) > 0 and float(fsdp["ms_per_step"]) > 0 and float(fsdp["step_time_vs_ddp"]) > 0
 
     # Every rank of every run wrote what it holds; the table is the larger rank's, and both ranks of fsdp hold a half.
@@ -75,7 +79,13 @@ def test_step_time_ratios_are_taken_pair_by_pair() -> None:
     memory = _memory()
 
     def run(ms: float, total: int) -> dict:
-        bytes_ = {"param_bytes": total, "grad_bytes": 0, "optimizer_bytes": 0, "total_bytes": total}
+        bytes_ = {
+            "param_bytes": total,
+            "grad_bytes": 0,
+            "optimizer_bytes": 0,
+            "total_bytes": total,
+            "gathered_param_bytes": 0,
+        }
         rank = {"world_size": 2, "sharded_parameters": 0, "parameters": 2, "cuda_peak_bytes": None, **bytes_}
         return {"ms_per_step": ms, "ranks": [rank]}
 
