@@ -155,6 +155,9 @@ def run_one(
     (args.out / "runs").mkdir(exist_ok=True)
     prefix = args.out / "runs" / f"{strategy}-{repeat}"
     timer = args.out / "runs" / f"{strategy}-{repeat}-time.json"
+    rank_files = [Path(f"{prefix}-rank{r}.json") for r in range(args.processes)]
+    for stale in (timer, *rank_files):  # from an earlier call with the same --out: never read as this run's
+        stale.unlink(missing_ok=True)
     probe = {"class_path": f"{MODULE}.MemoryProbe", "init_args": {"prefix": str(prefix), "at_step": args.warmup}}
     clock = {
         "class_path": _importable(StepTimer),
@@ -172,7 +175,7 @@ def run_one(
     ]  # fmt: skip
     _run(command, work, args)
     timed = json.loads(timer.read_text())
-    ranks = [json.loads(Path(f"{prefix}-rank{r}.json").read_text()) for r in range(args.processes)]
+    ranks = [json.loads(path.read_text()) for path in rank_files]
     for rank in ranks:
         rank["total_bytes"] = rank["param_bytes"] + rank["grad_bytes"] + rank["optimizer_bytes"]
     return {"ms_per_step": 1000 * timed["seconds"] / timed["steps"], "ranks": ranks}
