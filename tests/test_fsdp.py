@@ -28,7 +28,7 @@ TINY = [
     "--trainer.log_every_n_steps=1",
 ]  # fmt: skip
 WAIT = 300
-SHARDED_LINE = "fsdp: sharded net, then the whole module, over 2 processes"
+SHARDED_LINE = "fsdp: sharded net.layers.1, net.layers.4, net.layers.7, then the whole module, over 2 processes"
 
 
 def _errors(done) -> list[str]:  # noqa: ANN001 - CompletedProcess

@@ -42,12 +42,13 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     The module's own ``configure_model`` may shard it (``fully_shard`` on ``self.device_mesh["data_parallel"]``);
     a module that does not gets the default: each unit of ``shard_layers`` (by default each child module with
-    parameters) sharded on its own, then the whole module. Checkpoints are folders with one shard per process,
-    written beside their name and renamed into place.
+    parameters, below the modules that hold a single one, as ``net`` does) sharded on its own, then the whole
+    module. Checkpoints are folders with one shard per process, written beside their name and put in place whole.
 
     Args:
         shard_layers: class names (``TransformerBlock``) or import paths of the modules that become one unit each;
-            default: each child module of the LightningModule that has parameters.
+            default: each child module with parameters of the first module, from the LightningModule down, that has
+            more than one (the example's ``net.layers.1``, ``net.layers.4``, ...).
         checkpoint_layers: class names or import paths of modules whose activations are recomputed in the backward
             pass instead of kept (activation checkpointing): less memory, one more forward.
         reshard_after_forward: free a unit's gathered parameters after its forward (less memory, one more gather in
@@ -56,8 +57,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     announcement = Mechanism(
         "fsdp",
-        "FSDP2: a module without its own configure_model sharding gets each child module with parameters (or "
-        "strategy.shard_layers) sharded, then the whole module; checkpoints are folders of shards",
+        "FSDP2: a module that does not shard itself in configure_model gets its layers (or strategy.shard_layers) "
+        "sharded, then the whole module; checkpoints are folders of shards",
         "shard in your LightningModule.configure_model, or another trainer.strategy",
     )
 
@@ -103,7 +104,10 @@ class FSDP2Strategy(ModelParallelStrategy):
                 bf16=self.precision_plugin.precision == "bf16-mixed",
             )
             units = ", ".join(layers)
-            rank_zero_info(f"fsdp: sharded {units}, then the whole module, over {self.world_size} processes")
+            rank_zero_info(
+                f"fsdp: sharded {units}, then the whole module, over {self.world_size} processes "
+                "(other units: trainer.strategy's shard_layers)"
+            )
         materialize_meta_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -236,9 +240,16 @@ def shard(
 
 
 def _units(module: nn.Module, shard_layers: list[str] | None) -> list[tuple[str, nn.Module]]:
-    if shard_layers is None:
-        return [(n, c) for n, c in module.named_children() if _has_parameters(c)]
-    return _matching(module, shard_layers, "shard_layers")
+    """The modules sharded one by one: those of ``shard_layers``, else each child module with parameters of the first
+    module down from the root that has several (``net`` alone would be one unit, gathered whole in every forward)."""
+    if shard_layers is not None:
+        return _matching(module, shard_layers, "shard_layers")
+    prefix, parent = "", module
+    while True:
+        children = [(f"{prefix}{n}", c) for n, c in parent.named_children() if _has_parameters(c)]
+        if len(children) != 1 or next(children[0][1].children(), None) is None:
+            return children
+        prefix, parent = f"{children[0][0]}.", children[0][1]
 
 
 def _matching(module: nn.Module, names: list[str], option: str) -> list[tuple[str, nn.Module]]:
