@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -76,8 +77,11 @@ def measure(args: list[str], work: Path, timeout: float) -> float:
     end = time.time()
     if done.returncode != 0:
         raise SystemExit(f"error: {' '.join(args[:3])} exited {done.returncode}:\n{done.stderr[-2000:]}")
-    marks = [line for line in done.stdout.splitlines() if line.startswith("first step at ")]
-    return (float(marks[0].split()[-1]) if marks else end) - start
+    # Anywhere in the output: a progress bar's carriage-return redraws share the mark's line.
+    mark = re.search(r"first step at (\d+\.\d+)", done.stdout)
+    if mark is None and "FirstStep" in " ".join(args):
+        raise SystemExit(f"error: {' '.join(args[:3])} never reached its first training step:\n{done.stderr[-2000:]}")
+    return (float(mark.group(1)) if mark else end) - start
 
 
 def main(argv: list[str] | None = None) -> None:
