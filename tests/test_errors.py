@@ -357,6 +357,7 @@ BAD_FILES = {
 def test_fit_and_sweep_refuse_a_config_file_with_the_same_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, name: str
 ) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     from template.engine.errors import ConfigError
     from template.engine.sweep.options import parse_command
 

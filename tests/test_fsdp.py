@@ -17,9 +17,6 @@ from conftest import CONFIGS, PACKAGE, REPO, cli_env, made_once
 
 from template.engine import checkpoints
 from template.nets import MLP
-from tests.test_sweep import WAIT as SWEEP_WAIT
-from tests.test_sweep import _env as _sweep_env
-from tests.test_sweep import _study, _sweep_args
 
 FSDP = ["--config", str(CONFIGS / "fsdp_cpu.yaml")]
 TINY = [
@@ -165,8 +162,9 @@ def test_a_module_that_shards_itself_keeps_its_sharding(run_cli, tmp_path: Path)
             ["shard_layers=['Nope']", "Linear"],
         ),
         (["--model.net=torch.nn.LazyLinear", "--model.net.out_features=10"], ["lazy layer", "nn.Linear"]),
+        (["--trainer.strategy.shard_layers=[Linear]"], ["given by name", "FSDP2Strategy", "shard_layers"]),
     ],
-    ids=["fp16-mixed", "ema", "shard-layers-naming-nothing", "lazy-layer"],
+    ids=["fp16-mixed", "ema", "shard-layers-naming-nothing", "lazy-layer", "option-of-the-name"],
 )
 def test_fsdp_mistakes_are_one_line_before_anything_is_written(
     extra: list[str], words: list[str], run_cli, tmp_path: Path
@@ -177,16 +175,3 @@ def test_fsdp_mistakes_are_one_line_before_anything_is_written(
     assert all(w in errors[0] for w in words), errors[0]
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "lightning_logs").exists() or not any((tmp_path / "lightning_logs").iterdir())
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(2 * SWEEP_WAIT)
-def test_a_sweeps_trials_are_fsdp_runs(tmp_path: Path, run_cli) -> None:
-    args = _sweep_args(tmp_path, n_trials=2, config="fsdp_cpu.yaml")
-    done = run_cli(*args, timeout=SWEEP_WAIT, env=_sweep_env())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    folder = tmp_path / "lightning_logs" / "s"
-    assert [t.state.name for t in _study(folder).trials] == ["COMPLETE", "COMPLETE"]
-    for trial in ("trial-0000", "trial-0001"):
-        assert checkpoints.is_sharded(folder / trial / "checkpoints" / "last.ckpt")
-        assert SHARDED_LINE in (folder / f"{trial}.log").read_text()

@@ -412,3 +412,16 @@ def test_a_sweep_name_reused_with_another_space_is_refused_before_anything_is_wr
         "model.optimizer.init_args.lr); use another --sweep.name or the same space"
     )
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "s.yaml"} == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_a_sweeps_trials_are_fsdp_runs(tmp_path: Path, run_cli) -> None:
+    args = _sweep_args(tmp_path, n_trials=2, config="fsdp_cpu.yaml")
+    done = run_cli(*args, timeout=WAIT, env=_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    folder = tmp_path / "lightning_logs" / "s"
+    assert [t.state.name for t in _study(folder).trials] == ["COMPLETE", "COMPLETE"]
+    for trial in ("trial-0000", "trial-0001"):  # strategy fsdp's checkpoints: folders of shards
+        assert (folder / trial / "checkpoints" / "last.ckpt" / ".metadata").is_file()
+        assert "fsdp: sharded net.layers.1, net.layers.4, net.layers.7" in (folder / f"{trial}.log").read_text()

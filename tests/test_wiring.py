@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import MLFlowLogger
 
 from template.engine import wiring
 from template.engine.checkpoint_io import AtomicCheckpointIO
@@ -65,7 +64,7 @@ def test_an_idle_object_announces_nothing() -> None:
     assert [c.announcement.name for c in busy] == ["compile", "batch scaling", "dp"]
 
 
-def test_pieces_follow_their_switches(tmp_path) -> None:  # noqa: ANN001
+def test_pieces_follow_their_switches() -> None:
     run = Run(None, None, None, resume=False)
     added = wiring.callbacks({}, "fit", run, "val_acc")["callbacks"]
     kinds = [type(c) for c in added]
@@ -79,15 +78,23 @@ def test_pieces_follow_their_switches(tmp_path) -> None:  # noqa: ANN001
     quiet = Run(None, None, None, resume=False, preemption=False)
     kinds = [type(c) for c in wiring.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
     assert kinds == [LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder
-    tracker = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # built lazily: nothing is written
-    mlflow = [type(c) for c in wiring.callbacks({}, "fit", quiet, None, trackers=[tracker])["callbacks"]]
-    assert TrackerRuns in mlflow
     averaged = [type(c) for c in wiring.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]]
     # A stop's checkpoint at a batch's end holds that batch's update of the average.
     assert averaged.index(EMA) < averaged.index(Preemption)
     assert wiring.callbacks({"enable_progress_bar": False}, "validate", run, "val_acc") == {}
     assert isinstance(wiring.plugins({})["plugins"][0], AtomicCheckpointIO)
     assert wiring.plugins({"plugins": []}) == {}
+
+
+def test_tracker_runs_come_with_a_tracker(tmp_path) -> None:  # noqa: ANN001
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install -e '.[mlflow]'")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    run = Run(None, None, None, resume=False, preemption=False)
+    tracker = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # built lazily: nothing is written
+    added = [type(c) for c in wiring.callbacks({}, "fit", run, None, trackers=[tracker])["callbacks"]]
+    assert TrackerRuns in added
+    assert TrackerRuns not in [type(c) for c in wiring.callbacks({}, "fit", run, None)["callbacks"]]
 
 
 def test_monitor_check_waits_for_training_metrics_and_names_what_is_logged() -> None:

@@ -55,6 +55,15 @@ def explain_parser_error(message: str) -> str:
             f"class_path {inner.group(1)} for '{key}' cannot be used ({reason}); check its spelling "
             "and that its module is importable (on PYTHONPATH)"
         )
+    # An option of a class given by its registry name (`strategy: fsdp` with `--trainer.strategy.shard_layers=...`).
+    if m := re.search(r'Parser key "([^"]+)":.*?NestedArg\(key=\'([^\']+)\'', text):
+        option, key = m.groups()
+        fsdp = f"{__package__.split('.')[0]}.engine.strategies.FSDP2Strategy"
+        return (
+            f"'{option}' is given by name, and a name takes no options such as {key}; give it as a class with its "
+            f"options: --{option}=<class path> --{option}.{key}=... (for fsdp: {fsdp}; in YAML class_path and "
+            "init_args)"
+        )
     # jsonargparse words the rejected value "Given value type: T, value: V" or "... Given value: V".
     if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$', text):
         return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
