@@ -60,3 +60,9 @@ def test_fsdp_config_trains_in_bf16_over_nccl_and_resumes_exactly(tmp_path: Path
     assert reference["global_step"] == resumed["global_step"]
     for name, tensor in reference["state_dict"].items():
         assert torch.equal(tensor, resumed["state_dict"][name]), name
+    # Adam's moments and step counts, per parameter, bit for bit too.
+    (expected,), (got,) = reference["optimizer_states"], resumed["optimizer_states"]
+    assert expected["state"].keys() == got["state"].keys()
+    for name, state in expected["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["state"][name][key])), (name, key)

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from template.engine.errors import ConfigError, one_line
 from template.engine.internals import SHARDED_METADATA
@@ -79,6 +77,8 @@ def _check_sharded(path: Path, option: str, strategy: Any) -> dict[str, Any]:
             f"{strategy if isinstance(strategy, str) else type(strategy).__name__}: run with --trainer.strategy=fsdp, "
             f"or export it to one file (python -m {__package__.split('.')[0]} export {path})"
         )
+    from torch.distributed.checkpoint import FileSystemReader  # here: only sharded checkpoints need it at start-up
+
     try:
         FileSystemReader(path).read_metadata()
         return torch.load(path / SHARDED_METADATA, map_location="cpu", weights_only=True, mmap=True)
@@ -92,6 +92,8 @@ def _check_sharded(path: Path, option: str, strategy: Any) -> dict[str, Any]:
 def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
     """A sharded checkpoint as one Lightning checkpoint, in this process (no process group): the shards joined into
     full tensors, optimizer states keyed by parameter name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     check(path, option="the command")
     buffer = io.BytesIO()
     dcp_to_torch_save(path, buffer)
