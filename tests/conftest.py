@@ -39,6 +39,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: minutes of work or several processes; deselected unless --slow")
+    config.addinivalue_line(
+        "markers", "gpu(n=1): needs n CUDA GPUs; skipped, with the count named, where fewer are visible"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.gpu(n)``: skip where fewer than n CUDA GPUs are visible (``python -m pytest -m gpu`` runs them).
+
+    The count is read only for such tests: a CPU-only test session never asks CUDA anything.
+    """
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    needed = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible < needed:
+        pytest.skip(f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, {visible} visible")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
