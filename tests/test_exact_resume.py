@@ -35,6 +35,7 @@ BASE = [
     "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
     "--run.name=r",
 ]  # fmt: skip
+SCALING = ["--scaling.global_batch_size=32", "--scaling.lr_scaling=linear", "--scaling.reference_batch_size=64"]
 USER_LOGGER = ["--trainer.logger=lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir=mylogs"]
 
 # Configurations: the arguments each adds to BASE (and the config file it runs).
@@ -46,13 +47,20 @@ CONFIGURATIONS: dict[str, list[str]] = {
     "ema": ["--ema.decay=0.9"],
     "workers": ["--data.num_workers=2"],
     "periodic": ["--run.save_every_n_steps=3"],
-    "scaling": ["--scaling.global_batch_size=32", "--scaling.lr_scaling=linear", "--scaling.reference_batch_size=64"],
+    "scaling": SCALING,
     "test-after-fit": ["--test_after_fit=true"],
     "ddp": [],
+    # DDP in one process: Lightning's DistributedSampler (whose order changes with the epoch) without a second one.
+    "ddp-1": ["--trainer.devices=1"],
+    "ddp-workers": ["--data.num_workers=2"],
+    "ddp-scaling": SCALING,  # 16 a process
     "fsdp": [],
     "dp": ["--trainer.accelerator=gpu"],  # configs/dp.yaml: one process, each batch split over GPUs 0 and 1
 }
-CONFIG_FILES = {"ddp": "ddp_cpu.yaml", "fsdp": "fsdp_cpu.yaml", "dp": "dp.yaml"}
+CONFIG_FILES = {
+    "ddp": "ddp_cpu.yaml", "ddp-1": "ddp_cpu.yaml", "ddp-workers": "ddp_cpu.yaml", "ddp-scaling": "ddp_cpu.yaml",
+    "fsdp": "fsdp_cpu.yaml", "dp": "dp.yaml",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,20 @@ def _kinds_of_moment(configuration: str, signal_name: str, **extra: Any) -> list
     ]
 
 
+def _every_epoch(configuration: str, *moments: tuple[str, int], **extra: Any) -> list[Cell]:
+    """Each moment in the first epoch and the same moment in the second: a sampler whose order depends on the epoch
+    (Lightning's ``DistributedSampler``) must be put back in the epoch the run stopped in, not only in the first.
+    A moment is a training batch's index (``("train_batch", 5)``) or a validation's index in the epoch."""
+    cells = []
+    for epoch in (0, 1):
+        for moment, index in moments:
+            if moment == "train_batch":
+                cells.append(Cell(configuration, moment, "SIGTERM", epoch, index, **extra))
+            else:  # two validations an epoch: the epoch's first is nth 0, then nth 2
+                cells.append(Cell(configuration, moment, "SIGTERM", nth=2 * epoch + index, batch=0, **extra))
+    return cells
+
+
 def _configuration_cells(configuration: str) -> list[Cell]:
     """Where a configuration touches the training state: mid-epoch, between micro-batches, an epoch's last batch,
     mid-validation, and a SIGKILL (the restart from the newest checkpoint)."""
@@ -127,7 +149,7 @@ SLOW = [
     *[
         cell
         for name in CONFIGURATIONS
-        if name not in ("single", "ddp", "test-after-fit")
+        if name not in ("single", "test-after-fit") and not name.startswith("ddp")
         for cell in _configuration_cells(name)
     ],
     Cell("periodic", "train_batch", "SIGKILL", 0, 7),
@@ -137,7 +159,14 @@ SLOW = [
     *[Cell("ddp", "val_batch", "SIGTERM", nth=1, batch=0, ranks=r) for r in ((0,), (1,))],
     Cell("ddp", "sanity_batch", "SIGINT", ranks=(0, 1)),
     Cell("ddp", "train_batch", "SIGKILL", 1, 2, ranks=(1,)),
+    *_every_epoch("ddp", ("train_batch", 5), ("val_batch", 0), ranks=(0, 1)),
+    *_every_epoch("ddp", ("train_batch", 5), ranks=(1,)),
+    *_every_epoch("ddp-1", ("train_batch", 2), ("val_batch", 0)),
+    *_every_epoch("ddp-workers", ("train_batch", 5), ranks=(0, 1)),
+    *_every_epoch("ddp-scaling", ("train_batch", 5), ranks=(0, 1)),
+    Cell("ddp", "train_batch", "SIGINT", 1, 3, ranks=(0,)),
     *_kinds_of_moment("fsdp", "SIGTERM"),
+    *_every_epoch("fsdp", ("train_batch", 5), ("val_batch", 0), ranks=(0, 1)),
     *[Cell("fsdp", "train_batch", "SIGTERM", 0, 2, ranks=r) for r in ((1,), (0, 1))],
     Cell("fsdp", "val_batch", "SIGINT", nth=1, batch=1, ranks=(1,)),
     Cell("fsdp", "train_batch", "SIGKILL", 1, 2, ranks=(1,)),
@@ -152,9 +181,10 @@ FAST = [
     Cell("single", "checkpoint", "SIGKILL", nth=1),  # killed while a checkpoint is written
     Cell("single", "teardown", "SIGTERM"),  # after the last step
     Cell("accumulation", "train_batch", "SIGTERM", 0, 2),  # between micro-batches
+    Cell("ddp-1", "train_batch", "SIGTERM", 1, 2),  # mid-epoch in a later epoch, Lightning's DistributedSampler
 ]
 FAST_IDS = {cell.id for cell in FAST}
-SLOW = [cell for cell in SLOW if cell.id not in FAST_IDS]
+SLOW = [cell for cell in dict.fromkeys(SLOW) if cell.id not in FAST_IDS]  # each cell once, in order
 
 
 def _free_port() -> int:

@@ -79,6 +79,9 @@ class RNGStateCheckpoint(Callback):
                 dataloader = process(dataloader)
                 if trainer.state.stage != RunningStage.TRAINING:
                     return dataloader
+                # Lightning creates the epoch's first iterator before it sets the samplers' epoch: on a restart in a
+                # later epoch a DistributedSampler would draw epoch 0's order, and a StatefulDataLoader skip into it.
+                _set_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
                 return self._resumable(dataloader)
 
             strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
@@ -197,11 +200,8 @@ class RNGStateCheckpoint(Callback):
             # Restarted at an epoch's end, Lightning builds the next epoch's iterator before it sets the samplers'
             # epoch, and not again (a DistributedSampler replays epoch 0's order): set it, and build anew below, from
             # the random states the uninterrupted run had when it built that iterator (the checkpoint's).
-            epoch = trainer.fit_loop.epoch_progress.current.processed
             for loader in loaders:
-                for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
-                    if callable(getattr(sampler, "set_epoch", None)):
-                        sampler.set_epoch(epoch)
+                _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
             if restored is not None:
                 _restore(restored)
             rebuild = True
@@ -229,6 +229,13 @@ class RNGStateCheckpoint(Callback):
         loaders: list[DataLoader] = []
         apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
         return loaders
+
+
+def _set_epoch(loader: object, epoch: int) -> None:
+    """What Lightning does to a loader's samplers at each epoch's start."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
 
 
 def _is_stateful(loader: DataLoader) -> bool:
