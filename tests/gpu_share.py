@@ -12,13 +12,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 class SharedGpuProbe(Callback):
     """At the start of training, writes ``<record_dir>/<pid>.json`` (the trial's ``CUDA_VISIBLE_DEVICES``, memory
-    fraction variable, device and the allocator's fraction there); a trial whose batch size is ``hog_batch_size``
+    fraction variable, device and the allocator's fraction there); the trial whose run folder is named ``hog_run``
     then allocates ``hog_fraction`` of its GPU's memory. On the CPU it raises the error such a GPU would, so that the
     sweep's handling of an out-of-memory trial is tested without one."""
 
-    def __init__(self, record_dir: str, hog_batch_size: int, hog_fraction: float = 0.5) -> None:
+    def __init__(self, record_dir: str, hog_run: str, hog_fraction: float = 0.5) -> None:
         self.record_dir = Path(record_dir)
-        self.hog_batch_size = hog_batch_size
+        self.hog_run = hog_run
         self.hog_fraction = hog_fraction
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -31,13 +31,13 @@ class SharedGpuProbe(Callback):
             "SWEEP_GPU_MEMORY_FRACTION": os.environ.get("SWEEP_GPU_MEMORY_FRACTION"),
             "device": str(device),
             "allocator_fraction": fraction,
-            "batch_size": trainer.datamodule.batch_size,
+            "run": Path(trainer.log_dir).name,
         }
         self.record_dir.mkdir(parents=True, exist_ok=True)
         (self.record_dir / f"{os.getpid()}.json").write_text(json.dumps(seen))
-        if trainer.datamodule.batch_size != self.hog_batch_size:
+        if seen["run"] != self.hog_run:
             return
         if device.type != "cuda":
             raise torch.OutOfMemoryError("CUDA out of memory (raised on the CPU by the test's SharedGpuProbe)")
         total = torch.cuda.get_device_properties(device).total_memory
-        pl_module.hog = torch.empty(int(self.hog_fraction * total), dtype=torch.uint8, device=device)
+        self.held = torch.empty(int(self.hog_fraction * total), dtype=torch.uint8, device=device)
