@@ -36,13 +36,14 @@ def test_worker_slots_share_gpus_as_trials_per_gpu_says(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     two_each = {"h.0": "0", "h.1": "0", "h.2": "1", "h.3": "1", "h.4": "2", "h.5": "2"}
     assert slot_gpus({"devices": "free:1"}, SLOTS, 2, environ={}) == two_each
-    # Trials of 2 GPUs, 2 trials on each pair; a second sweep command's slots continue the numbering.
+    # Trials of 2 GPUs, 2 trials on each pair.
     assert slot_gpus({"devices": 2}, SLOTS[:4], 2, environ={}) == {
         "h.0": "0,1",
         "h.1": "0,1",
         "h.2": "2,3",
         "h.3": "2,3",
     }
+    # A second sweep command's slots continue the numbering, over the GPUs CUDA_VISIBLE_DEVICES leaves.
     assert slot_gpus({"devices": 1}, ["h.4", "h.5"], 3, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == {
         "h.4": "5",
         "h.5": "5",
