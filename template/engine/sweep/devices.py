@@ -1,4 +1,5 @@
-"""GPUs for trials running at once: each worker slot gets its own, never two trials on one GPU."""
+"""GPUs for trials running at once: each worker slot gets its own, or shares one with ``sweep.trials_per_gpu - 1``
+other slots."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ def gpus_per_trial(trainer: Mapping[str, Any]) -> int | None:
     return None  # "auto" or -1: every GPU, only for one trial at a time
 
 
-def slot_gpus(trainer: Mapping[str, Any], slots: list[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` for each worker slot: slot ``<host>.<n>`` gets the n-th group of the visible GPUs.
+def slot_gpus(
+    trainer: Mapping[str, Any], slots: list[str], per_gpu: int = 1, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for each worker slot: slot ``<host>.<n>`` gets group ``n // per_gpu`` of the visible
+    GPUs, so ``per_gpu`` slots in a row share a group (each trial sees it from device 0).
 
     Slots are numbered over every worker process on the machine (their lock files), so two sweep commands on one
     machine also get different GPUs. On a CPU-only machine, or for a CPU config, nothing is set.
@@ -51,11 +55,13 @@ def slot_gpus(trainer: Mapping[str, Any], slots: list[str], environ: Mapping[str
     groups = {}
     for slot in slots:
         n = int(slot.rsplit(".", 1)[1])
-        group = visible[n * count : (n + 1) * count]
+        first = n // per_gpu * count
+        group = visible[first : first + count]
         if len(group) < count:
             raise ConfigError(
-                f"worker slot {n} needs GPUs {n * count}..{(n + 1) * count - 1} ({count} per trial from "
-                f"trainer.devices) but {len(visible)} are visible; lower sweep.workers or trainer.devices"
+                f"worker slot {n} needs GPUs {first}..{first + count - 1} ({count} per trial from trainer.devices, "
+                f"sweep.trials_per_gpu={per_gpu}) but {len(visible)} are visible; lower sweep.workers or "
+                "trainer.devices, or raise sweep.trials_per_gpu"
             )
         groups[slot] = ",".join(group)
     return groups

@@ -26,7 +26,7 @@ from template.engine.errors import ConfigError
 from template.engine.jobs import die_with_parent, requeue_slurm_job
 from template.engine.sweep.fitconfig import FitConfigs, trial_config
 from template.engine.sweep.options import Param, Sweep
-from template.engine.sweep.reporter import NOT_LOGGED, REPORTS
+from template.engine.sweep.reporter import MEMORY_FRACTION, NOT_LOGGED, REPORTS
 
 _POLL = 0.1  # seconds between looks at the running trials
 _STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a dead worker
@@ -169,6 +169,8 @@ class Driver:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # the trial is not a SLURM task
         if slot in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot]
+        if self.sweep.gpu_memory_fraction is not None:
+            env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
         what = "continues" if "started" in trial.user_attrs else "starts"
         trial.set_user_attr("started", time.time())  # before the process: a trial that may have run is no surplus
         process = subprocess.Popen(

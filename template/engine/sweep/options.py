@@ -27,6 +27,9 @@ class Sweep:
         space: option -> ``{type: float|int, low, high, log, step}`` or ``{type: categorical, choices}``.
         n_trials: trials that finish (complete or pruned); failed ones are replaced.
         workers: trials at once in this process.
+        trials_per_gpu: trials that share each GPU (worker slots in a row get the same GPUs); 1 gives each its own.
+        gpu_memory_fraction: the share of each of its GPUs' memory one trial may allocate (its CUDA caching
+            allocator's limit), so that one trial cannot starve the others on the GPU; null for no limit.
         storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``,
             ``mysql://...``, ``sqlite:///...``) or the path of a journal file on a shared disk.
         objective: the metric a trial scores (its best value); default ``checkpoint.monitor``.
@@ -44,6 +47,8 @@ class Sweep:
     space: dict[str, dict[str, Any]]
     n_trials: int = 20
     workers: int = 1
+    trials_per_gpu: int = 1
+    gpu_memory_fraction: float | None = None
     storage: str | None = None
     objective: str | None = None
     direction: Literal["minimize", "maximize"] | None = None
@@ -146,9 +151,18 @@ def check(sweep: Sweep) -> list[Param]:
         raise ConfigError(
             f"sweep.name={sweep.name!r} is not a folder name; use letters, digits, '.', '_' and '-', e.g. digits-lr"
         )
-    for key, least in (("n_trials", 1), ("workers", 1), ("max_failures", 1)):
+    for key, least in (("n_trials", 1), ("workers", 1), ("trials_per_gpu", 1), ("max_failures", 1)):
         if getattr(sweep, key) < least:
             raise ConfigError(f"sweep.{key}={getattr(sweep, key)} must be >= {least}")
+    fraction = sweep.gpu_memory_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ConfigError(f"sweep.gpu_memory_fraction={fraction} must be in (0, 1], e.g. 0.3; or null for no limit")
+    if fraction is not None and sweep.trials_per_gpu * fraction > 1 + 1e-9:
+        raise ConfigError(
+            f"sweep.trials_per_gpu={sweep.trials_per_gpu} trials with sweep.gpu_memory_fraction={fraction} each "
+            f"would need {sweep.trials_per_gpu * fraction:.0%} of a GPU's memory; lower one of them (e.g. "
+            f"gpu_memory_fraction: {math.floor(100 / sweep.trials_per_gpu) / 100})"
+        )
     if not sweep.heartbeat > 0:
         raise ConfigError(f"sweep.heartbeat={sweep.heartbeat} must be a number of seconds > 0")
     if not sweep.space:

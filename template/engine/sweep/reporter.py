@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
@@ -12,6 +14,7 @@ from template.engine.errors import ConfigError
 
 REPORTS = "objective.jsonl"
 NOT_LOGGED = "the sweep's objective"
+MEMORY_FRACTION = "SWEEP_GPU_MEMORY_FRACTION"  # sweep.gpu_memory_fraction, handed to the trial (and its DDP ranks)
 
 
 class ObjectiveReporter(Callback):
@@ -19,11 +22,25 @@ class ObjectiveReporter(Callback):
 
     The driver reads the file while the trial runs, so it sees each value at once (the CSV log reaches the disk
     every few seconds) and can prune the trial. Under DDP the logged value is already reduced over the processes:
-    rank zero writes it.
+    rank zero writes it. It also caps the trial's share of GPU memory (``sweep.gpu_memory_fraction``) before the
+    model reaches the GPU, on the devices this process uses and only where they are CUDA devices.
     """
 
     def __init__(self, monitor: str) -> None:
         self.monitor = monitor
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        fraction = os.environ.get(MEMORY_FRACTION)
+        if not fraction:
+            return
+        strategy = trainer.strategy
+        devices = [strategy.root_device]
+        if trainer.world_size == 1:  # under dp the one process drives every device it was given
+            devices = getattr(strategy, "parallel_devices", None) or devices
+        for device in devices:
+            if device.type == "cuda":  # a CPU run never touches CUDA
+                torch.cuda.set_per_process_memory_fraction(float(fraction), device)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -41,7 +41,8 @@ def run_sweep(argv: list[str]) -> int:
             configs.complete({param.key: value}, what=f"sweep.space['{param.key}']: ")
     for values in sweep.enqueue or []:
         configs.complete(values, what="sweep.enqueue: ")
-    slot_gpus(base.get("trainer", {}), [f"check.{n}" for n in range(sweep.workers)])  # enough GPUs for them all
+    checks = [f"check.{n}" for n in range(sweep.workers)]
+    slot_gpus(base.get("trainer", {}), checks, sweep.trials_per_gpu)  # enough GPUs for them all
     root = Path(base.get("trainer", {}).get("default_root_dir") or ".")
     folder = root / LOGS / sweep.name
     storage = open_storage(sweep.storage, folder)
@@ -55,7 +56,7 @@ def run_sweep(argv: list[str]) -> int:
     if sweep.enqueue and not study.get_trials(deepcopy=False):
         for values in sweep.enqueue:
             study.enqueue_trial(values)
-    gpus = slot_gpus(base.get("trainer", {}), slots)
+    gpus = slot_gpus(base.get("trainer", {}), slots, sweep.trials_per_gpu)
     code = Driver(sweep, command.space, configs, storage, study, folder, slots, gpus).run()
     if code == 0:
         write_results(study, folder, sweep.objective)
