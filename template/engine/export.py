@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import re
 import warnings
@@ -94,7 +95,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse reporting a mistake as one ``error:`` line (through ``cli.main``), not usage text."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog.rsplit(' ', 1)[-1]}: {message}")
+        raise ConfigError(f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
 
 
 class FitConfig(CLI):
@@ -133,6 +134,7 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         expected = [target(x), target(x[:1])]  # a second batch size: the batch dimension must be dynamic
     temporary = output.with_name(f".{output.name}.export")
     quiet = io.StringIO()  # torch.export prints its graphs when it fails; the one line below says why
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # and warns of torchvision's operators, unused here
     with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         warnings.simplefilter("ignore")
         try:
@@ -152,7 +154,9 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
             atomic_write(output, lambda f: f.write(temporary.read_bytes()))
         finally:
             temporary.unlink(missing_ok=True)
-    return f"checked in ONNX Runtime on batches of {len(x)} and 1: max |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
+    return (
+        f"checked in ONNX Runtime on batches of {len(x)} and 1: max |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
+    )
 
 
 def _example_input(datamodule: LightningDataModule) -> Tensor:
@@ -184,15 +188,28 @@ def _construct(err: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m template export CKPT [--output FILE] [--prefix net.]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m template export",
-        description="Write the bare network's state_dict from a checkpoint (it loads with weights_only=True).",
+    """``python -m template export CKPT [--output FILE] [--prefix net.] [--format onnx [--module] [--config FILE]]``."""
+    parser = ArgumentParser(
+        prog=f"{PROGRAM} export",
+        description="Write the bare network's state_dict from a checkpoint (it loads with weights_only=True), "
+        "or with --format onnx the network as an ONNX graph checked in ONNX Runtime.",
     )
     parser.add_argument("ckpt_path", help="a Lightning checkpoint (or a DP/DDP/compiled plain-PyTorch one)")
-    parser.add_argument("--output", help="where to write the state_dict (default: CKPT with suffix .pt)")
+    parser.add_argument("--output", help="where to write it (default: CKPT with suffix .pt, or .onnx)")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="attribute of the LightningModule holding the net")
+    parser.add_argument("--format", choices=("weights", "onnx"), default="weights", help="a state_dict, or ONNX")
+    parser.add_argument("--module", action="store_true", help="onnx: the whole LightningModule, not the net")
+    parser.add_argument("--config", action="append", help="onnx: the run's config (default: its config.yaml)")
     args = parser.parse_args(argv)
-    output = Path(args.output) if args.output else Path(args.ckpt_path).with_suffix(".pt")
+    if args.format == "weights" and (args.module or args.config):
+        raise ConfigError("--module and --config are for --format onnx; the weights need neither")
+    suffix = ".onnx" if args.format == "onnx" else ".pt"
+    output = Path(args.output) if args.output else Path(args.ckpt_path).with_suffix(suffix)
+    if args.format == "onnx":
+        if output.resolve() == Path(args.ckpt_path).resolve():
+            raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
+        checked = export_onnx(args.ckpt_path, output, args.config or [], args.prefix, args.module)
+        print(f"Wrote {output}, {checked}: onnxruntime.InferenceSession('{output}').run(None, {{'input': x}})")
+        return
     written = export(args.ckpt_path, output, args.prefix)
     print(f"Wrote {written}: net.load_state_dict(torch.load('{written}', weights_only=True))")
