@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from template.engine import checkpoints
-from template.engine.atomic import atomic_torch_save, atomic_write
+from template.engine.atomic import atomic_torch_save
 from template.engine.cli import CLI, PROGRAM, build_cli
 from template.engine.errors import ConfigError, disk_errors, one_line
 
@@ -99,7 +99,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class FitConfig(CLI):
-    """The command line without a subcommand, reading a fit config as a run saved it (``ckpt_path`` in it too)."""
+    """The command line building the model and data of a fit config, also as a run saved it (with ``ckpt_path``)."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         super().add_arguments_to_parser(parser)
@@ -111,52 +111,46 @@ class FitConfig(CLI):
 
 
 def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: str, module: bool) -> str:
-    """Write the network at ``prefix`` (or the whole module) of the checkpoint as ONNX with a dynamic batch, checked in
-    ONNX Runtime on a batch of the DataModule; the line saying how well it matched."""
+    """Write the net at ``prefix`` (or the module) as ONNX, checked in ONNX Runtime; the line saying how well."""
     try:
         import onnxruntime
         import onnxscript  # noqa: F401 - torch.onnx's exporter needs it
     except ImportError:
         raise ConfigError("--format onnx needs onnx, onnxscript and onnxruntime: pip install -e '.[onnx]'") from None
-    run_config = Path(checkpoint_path).resolve().parent.parent / "config.yaml"
-    if not configs and not run_config.is_file():
+    configs = configs or [str(Path(checkpoint_path).resolve().parent.parent / "config.yaml")]
+    if not Path(configs[0]).is_file():
         raise ConfigError(f"no config.yaml in the run folder of '{checkpoint_path}'; pass the run's --config")
     state = extract_state_dict(checkpoints.load(checkpoint_path), "", source=f"'{checkpoint_path}'")
-    cli = build_cli([arg for c in configs or [str(run_config)] for arg in ("--config", c)], False, FitConfig)
+    cli = build_cli([arg for config in configs for arg in ("--config", config)], False, FitConfig)
     try:
         cli.model.load_state_dict(state)
     except RuntimeError as err:
-        raise ConfigError(f"'{checkpoint_path}' does not fit the config's model ({one_line(str(err))[:300]})") from None
-    target = cli.model if module else cli.model.get_submodule(prefix.rstrip("."))
+        raise ConfigError(f"'{checkpoint_path}' does not fit the config's model: {one_line(str(err))[:300]}") from None
+    target = (cli.model if module else cli.model.get_submodule(prefix.rstrip("."))).cpu().eval()
     x = _example_input(cli.datamodule).cpu()
-    target.cpu().eval()
-    with torch.no_grad():
-        expected = [target(x), target(x[:1])]  # a second batch size: the batch dimension must be dynamic
-    temporary = output.with_name(f".{output.name}.export")
-    quiet = io.StringIO()  # torch.export prints its graphs when it fails; the one line below says why
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # and warns of torchvision's operators, unused here
+    quiet = io.StringIO()  # torch.export prints its graphs when it fails, and warns of torchvision's operators
+    logging.getLogger("torch").setLevel(logging.ERROR)
     with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"])
         except torch.onnx.OnnxExporterError as err:
             raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
+    temporary = output.with_name(f".{output.name}.export")
     with disk_errors(output, kept="nothing was written at --output", option="--output"):
         output.parent.mkdir(parents=True, exist_ok=True)
         program.save(temporary, external_data=False)
         try:
             session = onnxruntime.InferenceSession(str(temporary), providers=["CPUExecutionProvider"])
-            got = [session.run(None, {"input": batch.numpy()}) for batch in (x, x[:1])]
-            pairs = [(g, e.numpy()) for outs, exp in zip(got, expected) for g, e in zip(outs, _tensors(exp))]
-            error = max(float(abs(g - e).max()) for g, e in pairs)
-            if not all(abs(g - e).max() <= ATOL + RTOL * abs(e).max() for g, e in pairs):
-                raise ConfigError(f"ONNX Runtime's output differs from PyTorch's by {error:.3g}; nothing written")
-            atomic_write(output, lambda f: f.write(temporary.read_bytes()))
+            with torch.no_grad():  # two batch sizes: the batch dimension must be dynamic
+                pairs = [(session.run(None, {"input": b.numpy()})[0], target(b).numpy()) for b in (x, x[:1])]
+            error = max(float(abs(got - want).max()) for got, want in pairs)
+            if any(abs(got - want).max() > ATOL + RTOL * abs(want).max() for got, want in pairs):
+                raise ConfigError(f"ONNX Runtime's output differs from PyTorch's by {error:.3g}; nothing was written")
+            os.replace(temporary, output)
         finally:
             temporary.unlink(missing_ok=True)
-    return (
-        f"checked in ONNX Runtime on batches of {len(x)} and 1: max |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
-    )
+    return f"checked in ONNX Runtime on batches of {len(x)} and 1: |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
 
 
 def _example_input(datamodule: LightningDataModule) -> Tensor:
@@ -166,25 +160,19 @@ def _example_input(datamodule: LightningDataModule) -> Tensor:
             datamodule.prepare_data()
             datamodule.setup(stage)
             batch = next(iter(getattr(datamodule, loader)()))
-            x = batch[0] if isinstance(batch, (list, tuple)) else batch
-            if not isinstance(x, Tensor):
-                raise ConfigError(f"the {loader}'s batches hold a {type(x).__name__} first, not the input tensor")
-            return x
+            return batch[0] if isinstance(batch, (list, tuple)) else batch
     raise ConfigError(f"{type(datamodule).__name__} has no val_dataloader or predict_dataloader for an example input")
 
 
-def _tensors(out: Any) -> list[Tensor]:
-    return [out] if isinstance(out, Tensor) else [t for t in out if isinstance(t, Tensor)]
-
-
 def _construct(err: BaseException) -> str:
-    """The operator or the construct torch.onnx's exporter stopped at, and where in the user's code, in one line."""
-    root = err
-    while root.__cause__ is not None:
-        root = root.__cause__
+    """The operator or construct torch.onnx's exporter stopped at, and where in the user's code, in one line."""
+    while err.__cause__ is not None and "raised this error" not in str(err):
+        err = err.__cause__
     where = re.search(r'raised this error:\s*File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)', str(err))
     place = f" at {where[1]}:{where[2]} `{where[3].strip()}`" if where else ""
-    return f"{one_line(str(root))[:300]}{place}; change that code, or export the weights (--format weights)"
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{one_line(str(err))[:300]}{place}; change that code, or export the weights (--format weights)"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
