@@ -39,9 +39,14 @@ class _OneDevice(FitConfig):
 def main(argv: list[str]) -> None:
     """Run the finder ``argv[0]`` on the fit configuration of the other arguments; write its config file."""
     finder = argv[0] if argv else ""
+    if finder in ("-h", "--help"):
+        print(f"usage: {PROGRAM} tune lr|batch_size [--tune.* options] [fit's options]; tune lr --help lists them")
+        return
     if finder not in FINDERS:
         raise ConfigError(f"tune: unknown finder {finder!r}; name one first: {PROGRAM} tune lr|batch_size --config ...")
-    parser = ArgumentParser(prog=f"{PROGRAM} tune {finder}", allow_abbrev=False, epilog="Every other option is fit's.")
+    parser = ArgumentParser(
+        prog=f"{PROGRAM} tune {finder}", allow_abbrev=False, epilog=f"Every other option is fit's: {PROGRAM} fit --help"
+    )
     parser.add_argument("--tune.output", dest="output", type=Path, default=Path(f"tune-{finder}.yaml"))
     for name, default in FINDERS[finder].items():
         choices = ("power", "binsearch") if name == "mode" else None
