@@ -54,13 +54,13 @@ def main(argv: list[str]) -> None:
     options, fit_args = parser.parse_known_args(argv[1:])
     if finder == "lr" and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("tune lr draws its plot with matplotlib; install the extra: pip install -e '.[sweep]'")
-    prove_writable(options.output.parent, "--tune.output")
     settings = {name: getattr(options, name) for name in FINDERS[finder]}
     with tempfile.TemporaryDirectory(prefix="tune-") as scratch:
         off = ["--trainer.logger=false", "--trackers=null", f"--trainer.default_root_dir={scratch}"]
         cli = build_cli([*fit_args, *off], False, _OneDevice)
         preflight.check_trainer_counts(cli.config)
         preflight.build_optimizers(cli.config, cli.model)
+        prove_writable(options.output.parent, "--tune.output")  # after every refusal, before the finder
         key = _lr_option(cli.config) if finder == "lr" else _batch_size_option(cli)
         if finder == "lr":
             found = Tuner(cli.trainer).lr_find(cli.model, datamodule=cli.datamodule, update_attr=False, **settings)
