@@ -60,8 +60,8 @@ def main(argv: list[str]) -> None:
         cli = build_cli([*fit_args, *off], False, _OneDevice)
         preflight.check_trainer_counts(cli.config)
         preflight.build_optimizers(cli.config, cli.model)
-        prove_writable(options.output.parent, "--tune.output")  # after every refusal, before the finder
         key = _lr_option(cli.config) if finder == "lr" else _batch_size_option(cli)
+        prove_writable(options.output.parent, "--tune.output")  # after every refusal, before the finder
         if finder == "lr":
             found = Tuner(cli.trainer).lr_find(cli.model, datamodule=cli.datamodule, update_attr=False, **settings)
             value = _plot(found, options.output.with_suffix(".png"))
