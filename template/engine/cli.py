@@ -96,7 +96,10 @@ COMMANDS: dict[str, Command] = {
     "validate": Command("Evaluate a checkpoint on the validation data"),
     "test": Command("Evaluate a checkpoint on the test data"),
     "predict": Command("Write a checkpoint's predictions to a CSV file"),
-    "export": Command("Write a checkpoint's network weights for plain PyTorch", f"{__package__}.export:main"),
+    "export": Command("Write a checkpoint's network weights for plain PyTorch, or ONNX", f"{__package__}.export:main"),
+    "tune": Command(
+        "Find a learning rate or the largest batch (Lightning's Tuner): a config file", f"{__package__}.tune:main"
+    ),
     "sweep": Command(
         "Search hyper-parameters with Optuna: each trial a fit in its own process (sweep: section)",
         f"{__package__}.sweep:main",

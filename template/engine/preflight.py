@@ -60,7 +60,7 @@ def build_optimizers(config: Any, model: LightningModule) -> None:
     A value the optimizer refuses (a negative learning rate) or a module without parameters is one line here,
     instead of a traceback from inside fit after the run's folder was written.
     """
-    optimizers, schedulers = _optimizer_options(config)
+    optimizers, schedulers = optimizer_options(config)
     if not optimizers and not schedulers:
         return
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +110,8 @@ def _class_paths(config: Any) -> dict[str, str]:
     }
 
 
-def _optimizer_options(config: Any) -> tuple[list[str], list[str]]:
+def optimizer_options(config: Any) -> tuple[list[str], list[str]]:
+    """The options of the config naming an optimizer class, and those naming a learning-rate scheduler."""
     optimizers, schedulers = [], []
     for option, path in _class_paths(config).items():
         cls = _resolve(path)
