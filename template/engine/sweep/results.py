@@ -41,7 +41,7 @@ def write_results(study: optuna.Study, folder: Path, objective: str) -> None:
     writer.writerow(header)
     writer.writerows(rows)
     atomic_write(folder / TABLE, lambda f: f.write(text.getvalue().encode()))
-    print(_format(header, rows))
+    print(format_table(header, rows))
     print(f"Table: {folder / TABLE}")
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
@@ -55,7 +55,7 @@ def write_results(study: optuna.Study, folder: Path, objective: str) -> None:
         print(f"Plot: {folder / name}")
 
 
-def _format(header: list[str], rows: list[list[Any]]) -> str:
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
     def cell(value: Any) -> str:
         return f"{value:.6g}" if isinstance(value, float) else str(value)
 
