@@ -102,7 +102,7 @@ COMMANDS: dict[str, Command] = {
         f"{__package__}.sweep:main",
     ),
     "cv": Command(
-        "K-fold cross-validation, each fold a fit in its own process (--cv.folds)", f"{__package__}.sweep:cv"
+        "K-fold cross-validation, each fold a fit in its own process (--cv.folds)", f"{__package__}.sweep:cv_main"
     ),
     "runs": Command(
         "List the runs under a folder in one table (status, best score, speed, config differences)",

@@ -28,7 +28,7 @@ def main(argv: list[str], command: str = "sweep") -> int:
     return run_sweep(argv)
 
 
-def cv(argv: list[str]) -> int:
+def cv_main(argv: list[str]) -> int:
     """Run or continue the cross-validation the arguments describe; the exit code."""
     return main(argv, "cv")
 
