@@ -72,7 +72,9 @@ def test_the_example_data_keeps_its_test_split_and_folds_the_rest(tmp_path: Path
         data = DigitsDataModule(data_dir=str(tmp_path), fold=fold, num_folds=3)
         data.setup("fit")
         assert torch.equal(data.splits["test"].tensors[0], plain.splits["test"].tensors[0])
-        assert len(data.splits["train"]) + len(data.splits["val"]) == len(plain.splits["train"]) + len(plain.splits["val"])
+        assert len(data.splits["train"]) + len(data.splits["val"]) == len(plain.splits["train"]) + len(
+            plain.splits["val"]
+        )
         seen.append(data.splits["val"].tensors[1])
     # Each fold's validation labels in the proportions of the whole (within one sample a class).
     whole = torch.bincount(torch.cat(seen), minlength=10) / 3

@@ -1,8 +1,5 @@
-"""K-fold splits for ``python -m template cv``: the index lists of one fold, stratified by label where labels are given.
-
-The protocol: a DataModule that takes ``fold: int | None = None`` and ``num_folds: int = 5`` can be cross-validated;
-with ``fold`` set it trains on the other folds and validates on fold ``fold``, splitting with ``fold_indices``.
-"""
+"""K-fold splits for ``python -m template cv``: a DataModule that takes ``fold`` and ``num_folds`` (``PROTOCOL``)
+trains on the other folds and validates on fold ``fold``, its index lists from ``fold_indices``."""
 
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ from torch import Tensor
 from template.engine.errors import ConfigError
 
 PROTOCOL = "fold: int | None = None, num_folds: int = 5"
-# What the last split was made of, for the cv command's check before any fold starts.
-last_split: dict[str, bool | int] = {}
+last_split: dict[str, bool | int] = {}  # what the last split was made of: cv checks it before any fold starts
 
 
 def fold_indices(

@@ -12,24 +12,19 @@ import sys
 
 
 def main(argv: list[str], command: str = "sweep") -> int:
-    """Run or continue the sweep (or cross-validation) the arguments describe; the exit code."""
+    """Run or continue the sweep (or the cross-validation, ``cv``) the arguments describe; the exit code."""
     try:
         import optuna  # noqa: F401
     except ImportError:
         from template.engine.errors import ConfigError
 
         raise ConfigError(f"the {command} needs Optuna; install the extra: pip install -e '.[sweep]'") from None
-    if command == "cv":
-        from template.engine.sweep.cv import run_cv
+    from template.engine.sweep import cv, study
 
-        return run_cv(argv)
-    from template.engine.sweep.study import run_sweep
-
-    return run_sweep(argv)
+    return cv.run_cv(argv) if command == "cv" else study.run_sweep(argv)
 
 
 def cv_main(argv: list[str]) -> int:
-    """Run or continue the cross-validation the arguments describe; the exit code."""
     return main(argv, "cv")
 
 

@@ -29,22 +29,13 @@ SPACE = "space"  # the study's user attribute that records sweep.space
 def run_sweep(argv: list[str]) -> int:
     """Check everything, then run (or continue) the sweep; the exit code."""
     command = parse_command(argv)
-
-    def results(study: optuna.Study, folder: Path, objective: str) -> None:
-        write_results(study, folder, objective)
-        url = _dashboard_url(command.sweep.storage, folder)
-        print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {url}")
-
-    return run_study(command, FitConfigs(command.fit_args), Driver, results)
+    return run_study(command, FitConfigs(command.fit_args))
 
 
 def run_study(
-    command: Command, configs: FitConfigs, driver: type[Driver], results: Callable[[optuna.Study, Path, str], None]
+    command: Command, configs: FitConfigs, driver: type[Driver] = Driver, results: Callable = write_results
 ) -> int:
-    """Check the study's options against the fit config, then run (or continue) it with ``driver``; the exit code.
-
-    ``results`` writes what a finished study leaves in its folder (called again by each start once it is finished).
-    """
+    """Check the study against the fit config, run (or continue) it with ``driver``, then ``results``; the exit code."""
     sweep = command.sweep
     base = configs.complete({})
     sweep.objective = sweep.objective or base.get("checkpoint", {}).get("monitor")
@@ -76,6 +67,7 @@ def run_study(
     code = driver(sweep, command.space, configs, storage, study, folder, slots, gpus).run()
     if code == 0:
         results(study, folder, sweep.objective)
+        print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {_dashboard_url(sweep.storage, folder)}")
     return code
 
 
