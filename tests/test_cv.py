@@ -189,7 +189,7 @@ def test_three_folds_killed_mid_fold_continue_with_the_same_command_and_summaris
     assert all(r["val_loss"] for r in rows)
     assert (folder / "folds.md").read_text().startswith("| fold | val_acc | val_loss |")
     assert (folder / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    # Each fold validated on its own third of the data, the test split in none of them.
+    # Each fold ran with its own fold of three, as its run folder's config says.
     configs = [(folder / f"fold-{k}" / "config.yaml").read_text() for k in range(3)]
     assert all(f"fold: {k}" in c and "num_folds: 3" in c for k, c in enumerate(configs))
     # Started again once finished: nothing runs, the summary again.
