@@ -16,6 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from template.engine.atomic import atomic_torch_save
 from template.engine.errors import ConfigError, disk_error
+from template.engine.folds import fold_indices
 from template.engine.stateful_data import RandomSampler
 
 _ARCHIVE = "digits.csv.gz"
@@ -60,7 +61,11 @@ def collate_batch(batch: tuple[Tensor, ...] | list) -> tuple[Tensor, ...] | list
 
 
 class DigitsDataModule(LightningDataModule):
-    """8x8 handwritten digits (UCI optdigits test set, 1797 images, 10 classes), split train/val/test."""
+    """8x8 handwritten digits (UCI optdigits test set, 1797 images, 10 classes), split train/val/test.
+
+    With ``fold`` set (``python -m template cv``), the samples outside the test split are cut into ``num_folds``
+    folds stratified by label: it trains on the others and validates on fold ``fold``.
+    """
 
     num_classes = 10
     input_shape = (1, 8, 8)
@@ -75,6 +80,8 @@ class DigitsDataModule(LightningDataModule):
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
         split_seed: int = 42,
+        fold: int | None = None,
+        num_folds: int = 5,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -96,6 +103,8 @@ class DigitsDataModule(LightningDataModule):
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.split_seed = split_seed
+        self.fold = fold
+        self.num_folds = num_folds
         self.splits: dict[str, Dataset] = {}
 
     @property
@@ -137,6 +146,9 @@ class DigitsDataModule(LightningDataModule):
         n_val = int(len(order) * self.val_fraction)
         n_test = int(len(order) * self.test_fraction)
         parts = {"val": order[:n_val], "test": order[n_val : n_val + n_test], "train": order[n_val + n_test :]}
+        if self.fold is not None:
+            rest = torch.cat([parts["val"], parts["train"]])
+            parts["train"], parts["val"] = fold_indices(self.fold, self.num_folds, rest, labels, seed=self.split_seed)
         self.splits = {name: BatchedTensorDataset(images[idx], labels[idx]) for name, idx in parts.items()}
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:

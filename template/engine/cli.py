@@ -104,6 +104,9 @@ COMMANDS: dict[str, Command] = {
         "Search hyper-parameters with Optuna: each trial a fit in its own process (sweep: section)",
         f"{__package__}.sweep:main",
     ),
+    "cv": Command(
+        "K-fold cross-validation, each fold a fit in its own process (--cv.folds)", f"{__package__}.sweep:cv_main"
+    ),
     "runs": Command(
         "List the runs under a folder in one table (status, best score, speed, config differences)",
         f"{__package__}.runs:main",

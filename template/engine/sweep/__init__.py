@@ -2,7 +2,8 @@
 
 Modules: ``options`` (the ``sweep:`` section), ``fitconfig`` (each trial's config, by the fit parser),
 ``reporter`` (the trial's callback writing the objective per validation), ``driver`` (trials as processes,
-pruning, restarts, several workers), ``results`` (table, ``best.yaml``, plots), ``study`` (Optuna's storage).
+pruning, restarts, several workers), ``results`` (table, ``best.yaml``, plots), ``study`` (Optuna's storage),
+``cv`` (k-fold cross-validation: a study whose trials are the folds).
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ from __future__ import annotations
 import sys
 
 
-def main(argv: list[str]) -> int:
-    """Run or continue the sweep the arguments describe; the exit code."""
+def main(argv: list[str], command: str = "sweep") -> int:
+    """Run or continue the sweep (or the cross-validation, ``cv``) the arguments describe; the exit code."""
     try:
         import optuna  # noqa: F401
     except ImportError:
         from template.engine.errors import ConfigError
 
-        raise ConfigError("the sweep needs Optuna; install the extra: pip install -e '.[sweep]'") from None
-    from template.engine.sweep.study import run_sweep
+        raise ConfigError(f"the {command} needs Optuna; install the extra: pip install -e '.[sweep]'") from None
+    from template.engine.sweep import cv, study
 
-    return run_sweep(argv)
+    return cv.run_cv(argv) if command == "cv" else study.run_sweep(argv)
+
+
+def cv_main(argv: list[str]) -> int:
+    return main(argv, "cv")
 
 
 if __name__ == "__main__":

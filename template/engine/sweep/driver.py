@@ -54,6 +54,8 @@ class Running:
 class Driver:
     """Runs ``sweep.workers`` trials at once on one study until it holds ``n_trials`` finished ones."""
 
+    label = "Sweep"  # its lines on the console start with this and the study's name
+
     def __init__(
         self,
         sweep: Sweep,
@@ -75,6 +77,7 @@ class Driver:
         self.running: dict[str, Running] = {}
         self.failures_in_a_row = 0
         self.stop_signal: int | None = None
+        self.title = f"{self.label} {sweep.name}"
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -111,11 +114,11 @@ class Driver:
         """Stop the trials with their checkpoints; they stay running in the study and the same command continues."""
         self._terminate_all(None)
         name = signal.Signals(self.stop_signal).name
-        print(f"Sweep {self.sweep.name}: stopped on {name}; run the same command to continue", file=sys.stderr)
+        print(f"{self.title}: stopped on {name}; run the same command to continue", file=sys.stderr)
         if self.stop_signal == signal.SIGUSR1 and os.environ.get("SLURM_JOB_ID"):
             failure = requeue_slurm_job()
             if failure is not None:
-                print(f"Sweep {self.sweep.name}: {failure}; submit the same command again to continue", file=sys.stderr)
+                print(f"{self.title}: {failure}; submit the same command again to continue", file=sys.stderr)
         return 128 + self.stop_signal
 
     # -- choosing the next trial -----------------------------------------------------------------------------------
@@ -152,10 +155,14 @@ class Driver:
                 return
         self._launch(slot, trial, frozen)
 
+    def trial_folder(self, trial: optuna.trial.Trial) -> str:
+        """The folder of a new trial, its values chosen."""
+        return f"trial-{trial.number:04d}"
+
     def _launch(self, slot: str, trial: optuna.trial.Trial, resumed: optuna.trial.FrozenTrial | None) -> None:
-        folder = trial.user_attrs.get("folder") or f"trial-{trial.number:04d}"  # a retried trial keeps its folder
         for param in self.space:
             _suggest(trial, param)  # values it has are kept; the sampler chooses the others (all, for a new trial)
+        folder = trial.user_attrs.get("folder") or self.trial_folder(trial)  # a retried trial keeps its folder
         trial.set_user_attr("folder", folder)
         self._beat(trial)
         params = dict(trial.params)
@@ -179,7 +186,7 @@ class Driver:
         reported = set(resumed.intermediate_values) if resumed is not None else set()
         self.running[slot] = Running(trial, folder, process, log, time.monotonic(), reported)
         shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
-        print(f"Sweep {self.sweep.name}: trial {trial.number} {what} in {self.folder / folder} ({shown})", flush=True)
+        print(f"{self.title}: trial {trial.number} {what} in {self.folder / folder} ({shown})", flush=True)
 
     # -- a running trial ---------------------------------------------------------------------------------------------
     def _poll(self, slot: str) -> None:
@@ -300,7 +307,7 @@ class Driver:
         with contextlib.suppress(ValueError):
             best = f"; best {self.monitor}={self.study.best_value:.6g} (trial {self.study.best_trial.number})"
         state = frozen.state.name.lower()
-        print(f"Sweep {self.sweep.name}: {done}/{self.sweep.n_trials} finished; trial {number} {state} ({score}){best}")
+        print(f"{self.title}: {done}/{self.sweep.n_trials} finished; trial {number} {state} ({score}){best}")
         sys.stdout.flush()
 
     def _last_failure(self) -> str:

@@ -98,19 +98,27 @@ class Command:
 
 def parse_command(argv: list[str]) -> Command:
     """Read the ``sweep:`` section of the ``--config`` files and the ``--sweep.*`` options; the rest is the fit's."""
+    missing = "no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml"
+    sweep, fit_args = parse_section(argv, "sweep", Sweep, missing)
+    return Command(sweep, check(sweep), fit_args)
+
+
+def parse_section(argv: list[str], name: str, options: type, missing: str | None = None) -> tuple[Any, list[str]]:
+    """``options`` from the ``name:`` sections of the ``--config`` files and ``--<name>.*``, and the fit's arguments;
+    ``missing``, if given, is the error where neither sets any."""
     if "-h" in argv or "--help" in argv:
-        _parser().print_help()
-        print(f"\nEvery other option is fit's: {_parser().prog.rsplit(' ', 1)[0]} fit --help")
+        _parser(name, options).print_help()
+        print(f"\nEvery other option is fit's: {_parser(name, options).prog.rsplit(' ', 1)[0]} fit --help")
         raise SystemExit(0)
     configs, rest = config_files.split(argv)
-    sweep_args, fit_args = [], []
+    own_args, fit_args = [], []
     i = 0
     while i < len(rest):
         arg = rest[i]
-        if arg.startswith("--sweep.") or arg == "--sweep" or arg.startswith("--sweep="):
-            sweep_args.append(arg)
+        if arg.startswith(f"--{name}.") or arg == f"--{name}" or arg.startswith(f"--{name}="):
+            own_args.append(arg)
             if "=" not in arg and i + 1 < len(rest):
-                sweep_args.append(rest[i + 1])
+                own_args.append(rest[i + 1])
                 i += 1
         else:
             fit_args.append(arg)
@@ -119,29 +127,29 @@ def parse_command(argv: list[str]) -> Command:
     texts = []
     for path in configs:
         content = config_files.read(path)
-        part = content.pop("sweep", None)
+        part = content.pop(name, None)
         if part is not None and not isinstance(part, dict):
-            raise ConfigError(f"the sweep section of '{path}' is not a mapping; write `sweep:` with name, space, ...")
+            raise ConfigError(f"the {name} section of '{path}' is not a mapping; write `{name}:` with its options")
         section = _merge(section, part or {})
-        # The fit parser gets the file without its sweep section, as YAML text (jsonargparse reads either).
+        # The fit parser gets the file without this section, as YAML text (jsonargparse reads either).
         texts.append(yaml.safe_dump(content, sort_keys=False) if content else "{}")
     fit_args = [*(arg for text in texts for arg in ("--config", text)), *fit_args]
-    if not section and not sweep_args:
-        raise ConfigError("no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml")
-    parser = _parser()
+    if missing and not section and not own_args:
+        raise ConfigError(missing)
+    parser = _parser(name, options)
     try:
-        parsed = parser.parse_args(["--section", yaml.safe_dump({"sweep": section}), *sweep_args])
-        sweep = parser.instantiate_classes(parsed).sweep
+        parsed = parser.parse_args(["--section", yaml.safe_dump({name: section}), *own_args])
+        chosen = getattr(parser.instantiate_classes(parsed), name)
     except Exception as err:  # jsonargparse's ArgumentError and friends; the message names the key
         raise ConfigError(explain_parser_error(str(err))) from None
-    return Command(sweep, check(sweep), fit_args)
+    return chosen, fit_args
 
 
-def _parser() -> ArgumentParser:
-    """The ``sweep.*`` options (``Sweep``'s signature), read from the configs' sweep sections and the command line."""
-    parser = ArgumentParser(prog="python -m template sweep", exit_on_error=False, default_config_files=[])
-    parser.add_argument("--section", action="config", help="the merged sweep: sections of the --config files")
-    parser.add_class_arguments(Sweep, "sweep", instantiate=True)
+def _parser(name: str, options: type) -> ArgumentParser:
+    """The ``<name>.*`` options (the signature of ``options``), read from the configs' sections and the command line."""
+    parser = ArgumentParser(prog=f"python -m template {name}", exit_on_error=False, default_config_files=[])
+    parser.add_argument("--section", action="config", help=f"the merged {name}: sections of the --config files")
+    parser.add_class_arguments(options, name, instantiate=True)
     return parser
 
 

@@ -36,12 +36,8 @@ def write_results(study: optuna.Study, folder: Path, objective: str) -> None:
         ]
         for t in trials
     ]
-    text = io.StringIO(newline="")
-    writer = csv.writer(text)
-    writer.writerow(header)
-    writer.writerows(rows)
-    atomic_write(folder / TABLE, lambda f: f.write(text.getvalue().encode()))
-    print(_format(header, rows))
+    write_csv(folder / TABLE, header, rows)
+    print(format_table(header, rows))
     print(f"Table: {folder / TABLE}")
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
@@ -55,10 +51,17 @@ def write_results(study: optuna.Study, folder: Path, objective: str) -> None:
         print(f"Plot: {folder / name}")
 
 
-def _format(header: list[str], rows: list[list[Any]]) -> str:
-    def cell(value: Any) -> str:
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
+def write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows([header, *rows])
+    atomic_write(path, lambda f: f.write(text.getvalue().encode()))
 
+
+def cell(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
     table = [header, *([cell(v) for v in row] for row in rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
@@ -66,15 +69,10 @@ def _format(header: list[str], rows: list[list[Any]]) -> str:
 
 def _plots(study: optuna.Study, folder: Path) -> list[str]:
     """Optuna's matplotlib plots; each needs enough complete trials (importances: two parameters or more)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from optuna.visualization import matplotlib as plots
-    except ImportError:
-        print("Plots need matplotlib: pip install -e '.[sweep]'")
+    if pyplot() is None:
         return []
+    from optuna.visualization import matplotlib as plots
+
     written = []
     for name, plot in (
         ("history.png", plots.plot_optimization_history),
@@ -87,11 +85,29 @@ def _plots(study: optuna.Study, folder: Path) -> list[str]:
                 axes = plot(study)
             except (ValueError, RuntimeError, ZeroDivisionError):
                 continue  # too few complete trials for this plot
-        figure = getattr(axes, "figure", None) or axes.flat[0].figure
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-        plt.close(figure)
-        data = buffer.getvalue()
-        atomic_write(folder / name, lambda f, data=data: f.write(data))
+        save_png(getattr(axes, "figure", None) or axes.flat[0].figure, folder / name)
         written.append(name)
     return written
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files; None without the extra, said in one line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("Plots need matplotlib: pip install -e '.[sweep]'")
+        return None
+    return plt
+
+
+def save_png(figure: Any, path: Path) -> None:
+    """A matplotlib figure written crash-safe as a PNG, and closed."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(figure)
+    atomic_write(path, lambda f: f.write(buffer.getvalue()))

@@ -6,6 +6,7 @@ import json
 import re
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from template.engine.run import LOGS
 from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
 from template.engine.sweep.fitconfig import FitConfigs
-from template.engine.sweep.options import Param, Sweep, parse_command
+from template.engine.sweep.options import Command, Param, Sweep, parse_command
 from template.engine.sweep.results import write_results
 from template.engine.sweep.sampler import TrialSeeded
 
@@ -28,8 +29,14 @@ SPACE = "space"  # the study's user attribute that records sweep.space
 def run_sweep(argv: list[str]) -> int:
     """Check everything, then run (or continue) the sweep; the exit code."""
     command = parse_command(argv)
+    return run_study(command, FitConfigs(command.fit_args))
+
+
+def run_study(
+    command: Command, configs: FitConfigs, driver: type[Driver] = Driver, results: Callable = write_results
+) -> int:
+    """Check the study against the fit config, run (or continue) it with ``driver``, then ``results``; the exit code."""
     sweep = command.sweep
-    configs = FitConfigs(command.fit_args)
     base = configs.complete({})
     sweep.objective = sweep.objective or base.get("checkpoint", {}).get("monitor")
     if not sweep.objective:
@@ -57,9 +64,9 @@ def run_sweep(argv: list[str]) -> int:
         for values in sweep.enqueue:
             study.enqueue_trial(values)
     gpus = slot_gpus(base.get("trainer", {}), slots, sweep.trials_per_gpu)
-    code = Driver(sweep, command.space, configs, storage, study, folder, slots, gpus).run()
+    code = driver(sweep, command.space, configs, storage, study, folder, slots, gpus).run()
     if code == 0:
-        write_results(study, folder, sweep.objective)
+        results(study, folder, sweep.objective)
         print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {_dashboard_url(sweep.storage, folder)}")
     return code
 

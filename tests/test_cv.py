@@ -1,0 +1,199 @@
+"""Cross-validation: the split helper's folds (stratified, disjoint, seeded, the test split outside), the command's
+refusals in one line before anything is written, and a cv of three folds killed and continued by the same command."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONFIGS, finish
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, TensorDataset
+
+from template.data import DigitsDataModule
+from template.engine.errors import ConfigError
+from template.engine.folds import fold_indices
+
+# -- the split helper --------------------------------------------------------------------------------------------------
+LABELS = torch.tensor([0] * 50 + [1] * 30 + [2] * 7 + [3] * 13)  # 100 samples, classes of unequal size
+
+
+@pytest.mark.parametrize("labels", [LABELS, None], ids=["stratified", "plain"])
+def test_folds_are_disjoint_cover_every_sample_once_and_have_equal_sizes(labels: torch.Tensor | None) -> None:
+    k = 5
+    splits = [fold_indices(fold, k, 100, labels, seed=3) for fold in range(k)]
+    for train, val in splits:
+        assert set(train.tolist()).isdisjoint(val.tolist())
+        assert sorted(train.tolist() + val.tolist()) == list(range(100))
+    vals = torch.cat([val for _, val in splits])
+    assert sorted(vals.tolist()) == list(range(100))  # each sample validated in exactly one fold
+    assert {len(val) for _, val in splits} == {20}
+
+
+def test_stratified_folds_hold_each_class_in_its_proportion() -> None:
+    k = 5
+    for fold in range(k):
+        _, val = fold_indices(fold, k, 100, LABELS, seed=0)
+        counts = torch.bincount(LABELS[val], minlength=4)
+        expected = torch.bincount(LABELS, minlength=4) / k
+        assert ((counts - expected).abs() < 1).all(), (fold, counts.tolist(), expected.tolist())
+
+
+def test_the_same_seed_gives_the_same_folds_every_call_another_seed_others() -> None:
+    first = [fold_indices(f, 4, 100, LABELS, seed=7) for f in range(4)]
+    again = [fold_indices(f, 4, 100, LABELS, seed=7) for f in range(4)]
+    other = [fold_indices(f, 4, 100, LABELS, seed=8) for f in range(4)]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a[1], b[1]) for a, b in zip(first, other, strict=True))
+
+
+def test_only_the_given_samples_are_split_the_test_split_stays_out() -> None:
+    test = torch.arange(0, 100, 10)  # every tenth sample is the test split
+    rest = torch.tensor([i for i in range(100) if i % 10])
+    vals = []
+    for fold in range(3):
+        train, val = fold_indices(fold, 3, rest, LABELS, seed=0)
+        assert not set(test.tolist()) & set(train.tolist() + val.tolist())
+        vals += val.tolist()
+    assert sorted(vals) == rest.tolist()
+
+
+def test_the_example_data_keeps_its_test_split_and_folds_the_rest(tmp_path: Path) -> None:
+    plain = DigitsDataModule(data_dir=str(tmp_path))
+    plain.setup("fit")
+    seen = []
+    for fold in range(3):
+        data = DigitsDataModule(data_dir=str(tmp_path), fold=fold, num_folds=3)
+        data.setup("fit")
+        assert torch.equal(data.splits["test"].tensors[0], plain.splits["test"].tensors[0])
+        assert len(data.splits["train"]) + len(data.splits["val"]) == len(plain.splits["train"]) + len(
+            plain.splits["val"]
+        )
+        seen.append(data.splits["val"].tensors[1])
+    # Each fold's validation labels in the proportions of the whole (within one sample a class).
+    whole = torch.bincount(torch.cat(seen), minlength=10) / 3
+    assert all((torch.bincount(s, minlength=10) - whole).abs().max() < 1 for s in seen)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((0, 1, 10), "at least 2 folds"),
+        ((3, 3, 10), "fold=3 is not one of the 3 folds"),
+        ((0, 11, 10), "11 folds of 10 samples: use at most 10 folds"),
+        ((0, 8, 100, LABELS), "class 2 has 7 samples: use at most 7 folds"),
+    ],
+)
+def test_impossible_splits_are_refused(args: tuple, expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        fold_indices(*args)
+
+
+# -- the command's refusals --------------------------------------------------------------------------------------------
+class Unlabelled(LightningDataModule):
+    """A regression DataModule following the protocol: its folds are plain k-fold (it has no labels)."""
+
+    def __init__(self, samples: int = 40, fold: int | None = None, num_folds: int = 5) -> None:
+        super().__init__()
+        self.samples, self.fold, self.num_folds = samples, fold, num_folds
+
+    def setup(self, stage: str) -> None:
+        x = torch.linspace(0, 1, self.samples).unsqueeze(1)
+        train, val = fold_indices(self.fold or 0, self.num_folds, self.samples)
+        self.train, self.val = TensorDataset(x[train], x[train]), TensorDataset(x[val], x[val])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=8)
+
+
+class NoProtocol(Unlabelled):
+    """A DataModule that does not take ``fold``."""
+
+    def __init__(self, samples: int = 40) -> None:
+        super().__init__(samples)
+
+
+REFUSED = {
+    "folds < 2": (["--cv.folds=1"], "cv.folds=1: cross-validation needs at least 2 folds"),
+    "more folds than the smallest class": (["--cv.folds=400"], "use at most"),
+    "more folds than samples": (
+        ["--cv.folds=11", "--data=test_cv.Unlabelled", "--data.samples=10"],
+        "11 folds of 10 samples: use at most 10 folds",
+    ),
+    "stratify without labels": (
+        ["--cv.folds=3", "--cv.stratify=true", "--data=test_cv.Unlabelled"],
+        "cv.stratify=true, but test_cv.Unlabelled gives fold_indices no labels",
+    ),
+    "no protocol": (
+        ["--cv.folds=3", "--data=test_cv.NoProtocol"],
+        "test_cv.NoProtocol cannot be cross-validated: its __init__ needs the arguments (fold: int | None = None",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_mistakes_are_one_line_before_anything_is_written(case: str, run_main, tmp_path: Path) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    args, expected = REFUSED[case]
+    done = run_main("cv", "--config", CONFIGS / "default.yaml", *args)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "lightning_logs").exists()  # the data's own cache (data/) is what fit would write too
+
+
+# -- a cv of three folds, killed and continued -------------------------------------------------------------------------
+LIMIT = 480  # seconds for one cv command of three tiny folds on a loaded 2-core machine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LIMIT)
+def test_three_folds_killed_mid_fold_continue_with_the_same_command_and_summarise(tmp_path: Path) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from test_sweep import PACED, TINY, _start, _steps
+
+    (tmp_path / "paced.yaml").write_text(PACED)
+    args = ["cv", "--config", CONFIGS / "default.yaml", "--config", tmp_path / "paced.yaml", "--cv.folds=3", *TINY]
+    args += ["--cv.name=digits", "--trainer.max_epochs=2"]
+    folder = tmp_path / "lightning_logs" / "digits"
+    driver = _start(args, tmp_path)
+    deadline = time.monotonic() + LIMIT
+    while not (folder / "fold-1" / "checkpoints" / "last.ckpt").is_file():  # killed in fold 1, after its epoch 0
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait(timeout=60)
+    assert not (folder / "folds.csv").exists()
+    again = _start(args, tmp_path)
+    assert finish(again, LIMIT, "the same cv command") == 0
+    out = again.stdout.read()
+    assert "trial 1 continues" in out and "fold-2" in out, out[-3000:]
+    log = (folder / "fold-1.log").read_text()
+    resumed = re.search(r"resuming from .*\(epoch \d+, step (\d+)\)", log)
+    assert resumed and int(resumed.group(1)) >= 4, log[-2000:]  # from its checkpoint, not from step 0
+    assert _steps(folder / "fold-1")[-1] == 7  # 2 epochs of 4 steps, to the end
+    assert (folder / "fold-0.log").read_text().count("starting from the beginning") == 1  # fold 0 not run again
+    with (folder / "folds.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["fold"] for r in rows] == ["0", "1", "2", "mean", "std"]
+    scores = [float(r["val_acc"]) for r in rows[:3]]
+    assert float(rows[3]["val_acc"]) == pytest.approx(sum(scores) / 3)
+    assert float(rows[4]["val_acc"]) == pytest.approx(torch.tensor(scores).std().item())
+    assert all(r["val_loss"] for r in rows)
+    assert (folder / "folds.md").read_text().startswith("| fold | val_acc | val_loss |")
+    assert (folder / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # Each fold ran with its own fold of three, as its run folder's config says.
+    configs = [(folder / f"fold-{k}" / "config.yaml").read_text() for k in range(3)]
+    assert all(f"fold: {k}" in c and "num_folds: 3" in c for k, c in enumerate(configs))
+    # Started again once finished: nothing runs, the summary again.
+    third = _start(args, tmp_path)
+    assert finish(third, LIMIT, "the cv command a third time") == 0
+    out = third.stdout.read()
+    assert "starts" not in out and "continues" not in out and "val_acc" in out and "over 3 folds" in out, out[-2000:]
