@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.engine.errors import ConfigError
@@ -251,6 +253,23 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def hide_gpus_from_cpu_run(trainer: Mapping[str, Any]) -> None:
+    """A run on the CPU hides the GPUs from its process and the DDP processes Lightning starts from it, before CUDA
+    starts: Lightning reads and sets every visible GPU's random state around its sanity check, which would put a
+    CUDA context on each of them (someone else's busy ones too)."""
+    accelerator = trainer.get("accelerator")
+    if isinstance(accelerator, CPUAccelerator) or str(accelerator).strip().lower() == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def process_devices(strategy: Strategy) -> list[torch.device]:
+    """The devices this process trains on: its root device, or every device where one process drives several
+    (strategy dp). What touches a GPU (random states, provenance) asks these, never CUDA's current device: a CPU run
+    on a GPU machine creates no CUDA context."""
+    several = strategy.world_size == 1 and getattr(strategy, "parallel_devices", None)
+    return list(several or [strategy.root_device])
+
+
 # --- float32 matmul precision ------------------------------------------------------------------------------------
 
 
@@ -269,8 +288,6 @@ def add_gpu_arguments(parser: LightningArgumentParser) -> None:
 
 def apply_matmul_precision(value: str | None, trainer: Trainer) -> None:
     """Set torch's float32 matmul precision for this run; ``auto`` changes it only when training on CUDA."""
-    import torch
-
     if value in (None, "auto"):
         if not isinstance(trainer.accelerator, CUDAAccelerator):
             return  # CPU results stay as they were (newer torch routes this setting to oneDNN too)
