@@ -122,7 +122,7 @@ def test_a_sweep_trial_never_initialises_cuda(tmp_path: Path) -> None:
         "    model.optimizer.init_args.lr: {type: categorical, choices: [0.01]}\n"
     )
     args = [a for a in SHORT if not a.startswith("--run.name")]
-    result = _run(tmp_path, "sweep", "--config", CONFIGS / "sweep.yaml", "--config", "s.yaml", *args,
+    result = _run(tmp_path, "sweep", "--config", CONFIGS / "default.yaml", "--config", "s.yaml", *args,
                   "--trainer.max_epochs=1")  # fmt: skip
     log = tmp_path / "cuda-refused.log"
     assert not log.exists(), log.read_text()[-4000:]
