@@ -80,9 +80,8 @@ def test_a_cpu_fit_and_its_continuation_never_initialise_cuda(tmp_path: Path) ->
         result = _run(tmp_path, "fit", "--config", CONFIGS / "default.yaml", *SHORT, f"--trainer.max_epochs={epochs}")
         _untouched(tmp_path, result)
     run = tmp_path / "lightning_logs" / "r"
-    assert [(s["status"], s["steps"], s["devices"]) for s in _starts(run)] == [("finished", 4, ["cpu"])] * 1 + [
-        ("finished", 8, ["cpu"])
-    ]
+    expected = [("finished", 4, ["cpu"]), ("finished", 8, ["cpu"])]
+    assert [(s["status"], s["steps"], s["devices"]) for s in _starts(run)] == expected
     (state,) = _rng_states(run)
     assert state["cuda"] == {}  # a CPU process saves no GPU's random state
 
