@@ -192,6 +192,17 @@ def _restore_matmul_precision():  # noqa: ANN202
 
 
 @pytest.fixture(autouse=True)
+def _restore_visible_gpus():  # noqa: ANN202
+    """A CPU run built in process hides the GPUs from the process (engine/gpus.py): the tests after it see them."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    yield
+    if before is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+@pytest.fixture(autouse=True)
 def _restore_rank_zero():  # noqa: ANN202
     """A Trainer built in process under a faked rank (torchrun, SLURM variables) sets the process-wide rank that
     Lightning's rank-zero-only writes check: loggers of every later test here would stop writing."""

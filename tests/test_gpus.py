@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -22,7 +23,8 @@ GIB = 1024**3
 
 
 class FakeNVML(types.ModuleType):
-    """The part of ``pynvml`` the selection uses, over physical cards given as (UUID, free GiB, total GiB)."""
+    """The part of ``pynvml`` the selection uses, over physical cards given as (UUID, free GiB, total GiB) and
+    optionally the model and PCI bus id (default: one model, NVML's order is the bus order, as on most machines)."""
 
     class NVMLError(Exception):
         pass
@@ -55,8 +57,17 @@ class FakeNVML(types.ModuleType):
     def nvmlDeviceGetMemoryInfo(self, handle: object) -> types.SimpleNamespace:  # noqa: N802
         index = self.handles.index(handle)
         self.memory_reads.append(index)
-        _, free, total = self.cards[index]
+        _, free, total, *_ = self.cards[index]
         return types.SimpleNamespace(free=int(free * GIB), total=int(total * GIB), used=int((total - free) * GIB))
+
+    def nvmlDeviceGetName(self, handle: object) -> str:  # noqa: N802
+        card = self.cards[self.handles.index(handle)]
+        return card[3] if len(card) > 3 else "NVIDIA RTX A5000"
+
+    def nvmlDeviceGetPciInfo(self, handle: object) -> types.SimpleNamespace:  # noqa: N802
+        index = self.handles.index(handle)
+        card = self.cards[index]
+        return types.SimpleNamespace(busId=(card[4] if len(card) > 4 else f"00000000:{0x10 + index:02X}:00.0").encode())
 
 
 # Six 24 GiB cards of a shared lab machine: 0, 2 and 4 are busy, 3 and 5 nearly free.
@@ -75,9 +86,11 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeNVML]:
     """Install a fake ``pynvml``; the environment is that of a plain shell (no launcher, no rank, all GPUs visible)."""
     for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", HANDOFF_VARIABLE):
         monkeypatch.delenv(name, raising=False)
-    # resolve_free_devices writes the hand-off into os.environ: register it so that it is removed afterwards.
-    monkeypatch.setenv(HANDOFF_VARIABLE, "")
-    monkeypatch.delenv(HANDOFF_VARIABLE)
+    # resolve_free_devices writes the hand-off and CUDA's device order into os.environ: registered here, so that
+    # they are removed afterwards.
+    for name in (HANDOFF_VARIABLE, "CUDA_DEVICE_ORDER"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
     def install(cards: list[tuple[str, float, float]] = LAB, **kwargs: str) -> FakeNVML:
         fake = FakeNVML(cards, **kwargs)
@@ -205,6 +218,57 @@ def test_without_nvml_says_which_extra_to_install(nvml, monkeypatch) -> None:  #
     assert "pip install nvidia-ml-py (this project's gpu extra: pip install -e '.[gpu]')" in message
 
 
+# A node with mixed models in PCI bus order, as nvidia-smi lists them. CUDA's default order (FASTEST_FIRST) would
+# number the A100s 0 and 1: without PCI_BUS_ID, free:1 would read card 1 and train on another.
+V100, A100 = "Tesla V100-SXM2-32GB", "NVIDIA A100-SXM4-80GB"
+MIXED = [
+    ("GPU-11111111-1111-1111-1111-111111111111", 30.0, 32.0, V100, "00000000:1A:00.0"),
+    ("GPU-22222222-2222-2222-2222-222222222222", 70.0, 80.0, A100, "00000000:3B:00.0"),
+    ("GPU-33333333-3333-3333-3333-333333333333", 31.0, 32.0, V100, "00000000:5C:00.0"),
+    ("GPU-44444444-4444-4444-4444-444444444444", 10.0, 80.0, A100, "00000000:88:00.0"),
+]
+
+
+@pytest.mark.parametrize("nvml_order", [MIXED, MIXED[::-1]], ids=["nvml-in-bus-order", "nvml-in-another-order"])
+@pytest.mark.parametrize(
+    ("visible", "expected", "first"),
+    [
+        (None, [1, 2], "GPU 1: 70.0 of 80.0"),  # indices in PCI bus order: nvidia-smi's
+        ("3,1", [1], "GPU 1: 70.0 of 80.0"),  # CUDA_VISIBLE_DEVICES indices are bus-order indices too
+        ("GPU-4444,GPU-22222222-2222-2222-2222-222222222222", [1], "GPU 0: 10.0 of 80.0"),
+    ],
+)
+def test_mixed_models_are_numbered_by_cuda_as_they_are_read(
+    nvml, monkeypatch, nvml_order, visible, expected, first
+) -> None:  # noqa: ANN001, E501
+    nvml(nvml_order)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    chosen, message = pick_free_gpus(request(f"free:{len(expected)}"))
+    assert chosen == expected and first in message
+    assert gpus.os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # set before CUDA starts, inherited by DDP processes
+
+
+@pytest.mark.parametrize(("order", "cards"), [("PCI_BUS_ID", MIXED), ("FASTEST_FIRST", LAB), ("fastest_first", LAB)])
+def test_a_device_order_the_user_set_is_kept_where_it_numbers_the_same(nvml, monkeypatch, order, cards) -> None:  # noqa: ANN001
+    nvml(cards)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", order)
+    pick_free_gpus(request("free:1"))
+    assert gpus.os.environ["CUDA_DEVICE_ORDER"] == order  # one model: every order numbers the cards alike
+
+
+@pytest.mark.parametrize(("order", "said"), [("FASTEST_FIRST", "FASTEST_FIRST"), (None, "FASTEST_FIRST (CUDA started")])
+def test_another_order_over_mixed_models_is_refused(nvml, monkeypatch, order, said) -> None:  # noqa: ANN001
+    nvml(MIXED)
+    if order is None:  # CUDA started before the pick, in CUDA's default order: too late to change it
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_ORDER", order)
+    message = refused("free:1", f"reads the GPUs in PCI bus order, but CUDA_DEVICE_ORDER={re.escape(said)}")
+    assert f"mixed models ({A100}, {V100})" in message and "unset CUDA_DEVICE_ORDER" in message
+    assert gpus.os.environ.get("CUDA_DEVICE_ORDER") == order
+
+
 def test_mig_instances_are_refused(nvml, monkeypatch) -> None:  # noqa: ANN001
     nvml()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0123")
@@ -216,6 +280,13 @@ def test_cpu_accelerator_is_refused(nvml) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match=r"picks CUDA GPUs but trainer.accelerator is 'cpu'; set trainer.acc"):
         resolve_free_devices({"accelerator": "cpu", "devices": "free:2"})
     assert fake.memory_reads == []
+
+
+@pytest.mark.parametrize(("accelerator", "hidden"), [("cpu", ""), (" CPU", ""), ("gpu", "0,1"), ("auto", "0,1")])
+def test_a_cpu_run_hides_the_gpus_from_its_processes(monkeypatch, accelerator, hidden) -> None:  # noqa: ANN001
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    gpus.hide_gpus_from_cpu_run({"accelerator": accelerator, "devices": 2})
+    assert gpus.os.environ["CUDA_VISIBLE_DEVICES"] == hidden
 
 
 # --- DDP: one decision for every process ------------------------------------------------------------------------
@@ -355,6 +426,7 @@ def test_lightnings_ddp_launcher_hands_the_choice_to_its_children(
     BUILT_TRAINERS[-1].strategy.launcher._call_children_scripts()
     (child_env,) = started
     assert child_env["LOCAL_RANK"] == "1" and child_env[HANDOFF_VARIABLE] == "free:2->3,5"
+    assert child_env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # the children number the GPUs as rank 0 picked them
     # Rank 1 runs the same command line in that environment, with NVML not importable: it cannot have asked NVML.
     for name, value in child_env.items():
         monkeypatch.setenv(name, value)

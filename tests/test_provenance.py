@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from template.engine.provenance import exit_status, git_state
+from template.engine.provenance import _this_process, exit_status, git_state
 from tests.conftest import CONFIGS
 
 SHORT = ("--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false")
@@ -62,6 +63,23 @@ def test_exit_status_says_which_signal_and_which_error() -> None:
     assert exit_status(SIGTERMException()) == {"status": "interrupted", "signal": "SIGTERM"}
     assert exit_status(KeyboardInterrupt()) == {"status": "interrupted", "signal": "SIGINT"}
     assert exit_status(ValueError("bad\n  value")) == {"status": "failed", "error": "ValueError: bad value"}
+
+
+@pytest.mark.parametrize(
+    ("world_size", "root", "parallel", "expected"),
+    [
+        (1, "cpu", None, ["cpu"]),  # a CPU run asks CUDA nothing, GPUs or not
+        (2, "cpu", ["cpu", "cpu"], ["cpu"]),  # each ddp_cpu rank names its own
+        (4, "cuda:3", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"], ["cuda:3 (GPU 3)"]),  # a ddp rank: its root device
+        (1, "cuda:2", ["cuda:2", "cuda:0"], ["cuda:2 (GPU 2)", "cuda:0 (GPU 0)"]),  # dp: every device it drives
+    ],
+)
+def test_each_process_names_the_devices_it_trains_on(monkeypatch, world_size, root, parallel, expected) -> None:  # noqa: ANN001
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("CUDA's current device was asked"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU {torch.device(device).index}")
+    devices = [torch.device(d) for d in parallel] if parallel else None
+    strategy = SimpleNamespace(world_size=world_size, root_device=torch.device(root), parallel_devices=devices)
+    assert _this_process(SimpleNamespace(strategy=strategy))["devices"] == expected
 
 
 def test_each_start_of_a_run_is_appended(run_main, tmp_path: Path) -> None:

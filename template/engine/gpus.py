@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from template.engine.errors import ConfigError
@@ -192,6 +194,7 @@ def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
         handles = _visible_handles(pynvml, hidden)
         if not handles:
             raise ConfigError(_no_gpu(request, hidden, "NVML lists no GPU" if hidden is None else "none visible"))
+        _number_gpus_in_pci_order(request, [_text(pynvml.nvmlDeviceGetName(handle)) for handle in handles])
         gpus = []
         for index, handle in enumerate(handles):
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
@@ -214,12 +217,29 @@ def _no_gpu(request: FreeRequest, hidden: str | None, reason: str) -> str:
     )
 
 
+def _number_gpus_in_pci_order(request: FreeRequest, models: list[str]) -> None:
+    """Make CUDA number the GPUs as they are read here, in PCI bus order: CUDA's default order (FASTEST_FIRST) puts
+    the fastest model first, so on a machine with mixed models its GPU 0 would be another card than the one picked.
+    Set before CUDA starts, and inherited by the DDP processes Lightning starts from this one."""
+    if "CUDA_DEVICE_ORDER" not in os.environ and not torch.cuda.is_initialized():
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    order = os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST (CUDA started before the pick)")
+    if order.strip().upper() != "PCI_BUS_ID" and len(set(models)) > 1:
+        raise ConfigError(
+            f"trainer.devices={request.text!r} reads the GPUs in PCI bus order, but CUDA_DEVICE_ORDER={order} numbers "
+            f"these mixed models ({', '.join(sorted(set(models)))}) in another order, so the GPUs picked would not be "
+            "those trained on; unset CUDA_DEVICE_ORDER (or set it to PCI_BUS_ID), or list the devices explicitly"
+        )
+
+
 def _visible_handles(pynvml: Any, hidden: str | None) -> list[Any]:
-    """NVML handles of the GPUs CUDA numbers 0, 1, ... in this process: NVML indexes physical GPUs, CUDA only the
+    """NVML handles of the GPUs CUDA numbers 0, 1, ... in this process (in PCI bus order): CUDA numbers only the
     ones CUDA_VISIBLE_DEVICES lists, in its order, by index or UUID (prefix); CUDA ignores everything from the
     first entry it cannot use onwards, and so does this."""
     count = pynvml.nvmlDeviceGetCount()
     physical = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    # NVML promises no order of its own: CUDA's PCI_BUS_ID order is that of the bus ids.
+    physical.sort(key=lambda handle: _text(pynvml.nvmlDeviceGetPciInfo(handle).busId).upper())
     if hidden is None:
         return physical
     uuids = [_text(pynvml.nvmlDeviceGetUUID(handle)) for handle in physical]
@@ -251,6 +271,23 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def hide_gpus_from_cpu_run(trainer: Mapping[str, Any]) -> None:
+    """A run on the CPU hides the GPUs from its process and the DDP processes Lightning starts from it, before CUDA
+    starts: Lightning reads and sets every visible GPU's random state around its sanity check, which would put a
+    CUDA context on each of them (someone else's busy ones too)."""
+    accelerator = trainer.get("accelerator")
+    if isinstance(accelerator, CPUAccelerator) or str(accelerator).strip().lower() == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def process_devices(strategy: Strategy) -> list[torch.device]:
+    """The devices this process trains on: its root device, or every device where one process drives several
+    (strategy dp). What touches a GPU (random states, provenance) asks these, never CUDA's current device: a CPU run
+    on a GPU machine creates no CUDA context."""
+    several = strategy.world_size == 1 and getattr(strategy, "parallel_devices", None)
+    return list(several or [strategy.root_device])
+
+
 # --- float32 matmul precision ------------------------------------------------------------------------------------
 
 
@@ -269,8 +306,6 @@ def add_gpu_arguments(parser: LightningArgumentParser) -> None:
 
 def apply_matmul_precision(value: str | None, trainer: Trainer) -> None:
     """Set torch's float32 matmul precision for this run; ``auto`` changes it only when training on CUDA."""
-    import torch
-
     if value in (None, "auto"):
         if not isinstance(trainer.accelerator, CUDAAccelerator):
             return  # CPU results stay as they were (newer torch routes this setting to oneDNN too)

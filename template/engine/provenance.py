@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from template.engine.atomic import atomic_write
 from template.engine.errors import one_line
+from template.engine.gpus import process_devices
 
 FILENAME = "provenance.json"
 # The distributions whose versions decide what a run computes; others installed are not listed.
@@ -114,18 +115,19 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _this_process() -> dict[str, str]:
-    device = "cpu"
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name(torch.cuda.current_device())
-    return {"host": socket.gethostname(), "device": device}
+def _this_process(trainer: Trainer) -> dict[str, Any]:
+    names = [
+        f"{d} ({torch.cuda.get_device_name(d)})" if d.type == "cuda" else str(d)
+        for d in process_devices(trainer.strategy)
+    ]
+    return {"host": socket.gethostname(), "devices": names}
 
 
 class Provenance(Callback):
     """Appends this start of the run to ``<run folder>/provenance.json`` (rank 0), and how it ended.
 
     Each entry: the command line, the git commit, whether tracked files differed from it (their diff saved beside,
-    as ``git-<n>.diff``), Python, package, torch and CUDA versions, the GPU models, world size, nodes and host
+    as ``git-<n>.diff``), Python, package, torch and CUDA versions, the devices trained on, world size, nodes and host
     names, start and end times, and the exit status. The file is rewritten atomically: a kill leaves the previous
     version or the new one.
     """
@@ -141,11 +143,11 @@ class Provenance(Callback):
         if self._set_up:
             return  # test after fit: the same start goes on
         self._set_up = True
-        processes = [_this_process()]
+        processes = [_this_process(trainer)]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank takes part, so that rank 0 can name every host and GPU of the job.
             processes = [None] * dist.get_world_size()
-            dist.all_gather_object(processes, _this_process())
+            dist.all_gather_object(processes, _this_process(trainer))
         log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
         if not trainer.is_global_zero or log_dir is None:
             return
@@ -186,7 +188,7 @@ class Provenance(Callback):
             "world_size": trainer.world_size,
             "num_nodes": trainer.num_nodes,
             "hosts": sorted({p["host"] for p in processes}),
-            "devices": [p["device"] for p in processes],
+            "devices": [device for p in processes for device in p["devices"]],
         }
         self._write(entries + [self._entry])
 

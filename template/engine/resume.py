@@ -14,6 +14,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from template.engine import internals
+from template.engine.gpus import process_devices
 from template.engine.mechanism import Mechanism
 from template.engine.resumable_loader import (
     global_states,
@@ -137,7 +138,7 @@ class RNGStateCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         """Called on every rank while a checkpoint is assembled; rank 0's copy (holding all ranks) is written."""
         loaders = self._train_loaders()
-        state = _collect(loaders)
+        state = _collect(loaders, process_devices(self._trainer.strategy) if self._trainer is not None else [])
         state["loaders"] = []
         for loader in loaders:
             sampler = wrapped(loader)
@@ -161,6 +162,8 @@ class RNGStateCheckpoint(Callback):
             )
             return
         state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
+        devices = process_devices(self._trainer.strategy) if self._trainer is not None else []
+        state = {**state, "cuda": _on_devices(state.get("cuda"), devices)}
         _restore(state)
         self._restored = state
         self._pending_samplers = state["samplers"]
@@ -252,15 +255,25 @@ def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | Non
     return generators
 
 
-def _collect(loaders: list[DataLoader]) -> dict[str, Any]:
+def _collect(loaders: list[DataLoader], devices: list[torch.device]) -> dict[str, Any]:
     state = global_states()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    state["cuda"] = torch.cuda.get_rng_state_all() if cuda else None
+    # The random state of each GPU this process trains on, in its order (root first): a continuation puts them back
+    # on its own GPUs in that order, whatever CUDA numbers them there. A CPU process saves none and asks CUDA nothing.
+    state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
     state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
     return state
 
 
+def _on_devices(saved: dict[str, torch.Tensor] | list[torch.Tensor] | None, devices: list[torch.device]) -> dict:
+    """The checkpoint's GPU random states matched to the GPUs this process trains on now."""
+    gpus = [d for d in devices if d.type == "cuda"]
+    if isinstance(saved, list):  # written by an older version: every visible GPU's state, by CUDA's number
+        return {d: saved[d.index] for d in gpus if d.index is not None and d.index < len(saved)}
+    return dict(zip(gpus, (saved or {}).values(), strict=False))
+
+
 def _restore(state: dict[str, Any]) -> None:
+    """Put back a process's states as ``load_state_dict`` matched them to its devices."""
     restore_global_states(state)
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    for device, rng_state in state["cuda"].items():
+        torch.cuda.set_rng_state(rng_state, device)

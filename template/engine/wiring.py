@@ -19,7 +19,7 @@ from typing_extensions import override
 from template.engine.checkpoint_io import AtomicCheckpointIO
 from template.engine.ema import ema_callbacks
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
-from template.engine.gpus import apply_matmul_precision, resolve_free_devices
+from template.engine.gpus import apply_matmul_precision, hide_gpus_from_cpu_run, resolve_free_devices
 from template.engine.internals import skip_idle_step_hooks
 from template.engine.loggers import LogsBeforeCheckpoints, default_loggers
 from template.engine.mechanism import Mechanism
@@ -96,7 +96,9 @@ def callbacks(
 
 
 def check_devices(trainer_config: dict[str, Any]) -> None:
-    """Resolve ``devices: free:N``, check dp's and fsdp's settings: before Lightning's less helpful checks."""
+    """Hide the GPUs from a CPU run, resolve ``devices: free:N``, check dp's and fsdp's settings: before Lightning's
+    less helpful checks."""
+    hide_gpus_from_cpu_run(trainer_config)
     resolve_free_devices(trainer_config)
     check_dp_trainer_config(trainer_config)
     check_fsdp_trainer_config(trainer_config)
