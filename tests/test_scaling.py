@@ -25,7 +25,7 @@ from template.engine.scaling import (
     scale_learning_rates,
 )
 from template.nets import MLP
-from tests.conftest import CONFIGS, REPO, cli_env
+from tests.conftest import CONFIGS, REPO, cli_env, pythonpath
 
 SHORT = ("--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1")
 BASE_LR = 1e-3  # the example's Adam default, and the user's model's below
@@ -249,7 +249,7 @@ def test_a_datamodule_with_its_batch_size_in_hparams_runs_under_ddp(run_cli, tmp
     # configs/ddp_cpu.yaml states a global batch; the DataModule keeps batch_size in hparams (save_hyperparameters).
     result = run_cli(
         "fit", "--config", CONFIGS / "ddp_cpu.yaml", "--data.class_path=user_code.plain_data.HparamsDigits", *SHORT,
-        env=cli_env(PYTHONPATH=str(REPO / "tests")), timeout=300,
+        env=cli_env(PYTHONPATH=pythonpath(REPO / "tests")), timeout=300,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
