@@ -349,7 +349,7 @@ def test_gpu_accelerator_without_gpus_is_one_line(run_main, monkeypatch):
     )
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+@pytest.mark.gpu(1)
 def test_listing_a_gpu_that_does_not_exist_names_the_visible_ones(run_cli):
     count = torch.cuda.device_count()
     devices = f"--trainer.devices=[0,{count}]"
@@ -359,7 +359,7 @@ def test_listing_a_gpu_that_does_not_exist_names_the_visible_ones(run_cli):
     assert f"[0, {count}]" in line and f"visible to this process are {list(range(count))}" in line
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="strategy dp needs 2 CUDA GPUs")
+@pytest.mark.gpu(2)  # strategy dp over 2 GPUs
 def test_dp_loads_the_global_batch_whole_and_splits_it_over_its_gpus(run_cli, tmp_path):
     result = run_cli(
         "fit", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=gpu", "--trainer.strategy=dp",
