@@ -14,7 +14,7 @@ PYTHON=${PYTHON:-python}
 # The GPU workload of scripts/benchmark.py, a few repeats: the project, bare Lightning and a hand-written loop.
 BENCHMARK=(--workload conv --strategies single --repeats 2 --steps 150 --warmup 20 --timeout 60)
 PYTEST=(-q -p no:cacheprovider --tb=short)
-# Seconds per step; the two test steps run side by side, so the total is at most 5 + 150 + 75 (+ 10 s grace each).
+# Seconds per step (the environment may set them); the two test steps run side by side: at most 5 + 150 + 75 s.
 PREFLIGHT_S=${PREFLIGHT_S:-5}
 TESTS_S=${TESTS_S:-150}
 BENCHMARK_S=${BENCHMARK_S:-75}
