@@ -1,60 +1,118 @@
 #!/usr/bin/env bash
-# The GPU paths on one real GPU, in order, each resuming the previous run's last checkpoint (--ckpt_path last):
-# one device, strategy dp over [0], strategy ddp with one process over NCCL, bf16-mixed, devices free:1 under ddp,
-# strategy fsdp (bf16, NCCL) twice, then the one-line refusal of a free-memory floor no GPU meets. CI has no GPU;
-# run this by hand after
+# The project on a machine with one GPU, in under 4 minutes: the GPU tests (`pytest -m gpu`: one device, dp over
+# [0], ddp over NCCL, bf16-mixed, free:1, fsdp and its resume, the refused free-memory floor, ...) beside the fast
+# suite, then the GPU benchmark alone. CI has no GPU; run this by hand after
 #   pip install "torch==<a CUDA build>" -e ".[dev,gpu]"
-# Every step is bounded by `timeout`; the scratch folder is printed and kept for inspection. PYTHON picks the
-# interpreter (default: python).
-set -euo pipefail
+# or from a plain copy of the repository (this script puts it on PYTHONPATH). Usage:
+#   scripts/gpu_check.sh [RESULTS_FOLDER]       (default: a new folder under /tmp; PYTHON picks the interpreter)
+# Every step runs in its own session under `timeout -k`, and whatever it started is ended with it (DataLoader
+# workers, DDP ranks, xdist workers, tests' children in sessions of their own). The folder gets a log per step, the
+# benchmark's table and summary.txt (step, status, seconds). Exit 0 only if every step passed.
+set -uo pipefail
 
-PACKAGE=template
 PYTHON=${PYTHON:-python}
-work=$(mktemp -d)
-epochs=0
-echo "scratch folder: $work"
+# The GPU workload of scripts/benchmark.py, a few repeats: the project, bare Lightning and a hand-written loop.
+BENCHMARK=(--workload conv --strategies single --repeats 2 --steps 150 --warmup 20 --timeout 60)
+PYTEST=(-q -p no:cacheprovider --tb=short)
+# Seconds per step (the environment may set them); the two test steps run side by side: at most 5 + 150 + 75 s.
+PREFLIGHT_S=${PREFLIGHT_S:-5}
+TESTS_S=${TESTS_S:-150}
+BENCHMARK_S=${BENCHMARK_S:-75}
+# module=what provides it, for the one line naming what an offline CUDA image lacks.
+REQUIRED=(torch=torch lightning=lightning torchmetrics=torchmetrics jsonargparse=jsonargparse
+    docstring_parser=docstring-parser typeshed_client=typeshed-client yaml=PyYAML tensorboard=tensorboard
+    torchdata=torchdata pynvml=nvidia-ml-py pytest=pytest xdist=pytest-xdist pytest_timeout=pytest-timeout
+    filelock=filelock matplotlib=matplotlib)
 
-step() {
-    # step NAME EXTRA_ARGS...: train 2 more epochs from the newest checkpoint and fail on any error.
-    local name=$1
-    shift
-    epochs=$((epochs + 2))
-    local resume=()
-    [[ $epochs -gt 2 ]] && resume=(--ckpt_path last)
-    echo "== $name (to epoch $epochs)"
-    timeout 600 "$PYTHON" -m "$PACKAGE" fit "$@" --trainer.max_epochs=$epochs --trainer.default_root_dir="$work" \
-        "${resume[@]}" >"$work/$name.log" 2>&1 || { tail -30 "$work/$name.log"; echo "FAILED: $name"; exit 1; }
-    if grep -q "Tensor Cores" "$work/$name.log"; then
-        echo "FAILED: $name: Lightning still warns about float32 matmul precision"
-        exit 1
-    fi
-    grep -E "GPU available|distributed_backend|training on GPU|Best checkpoint" "$work/$name.log" || true
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out=$(realpath -m "${1:-$(mktemp -d /tmp/gpu-check.XXXXXX)}")
+if [[ $out/ == "$repo"/* ]]; then
+    # The suite fails a session that writes into the project; its logs would.
+    echo "error: the results folder $out is inside the repository; give one outside it"
+    exit 2
+fi
+mkdir -p "$out" || exit 2
+cd "$repo" || exit 2
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+echo "results: $out"
+
+run_step() {
+    # run_step NAME SECONDS COMMAND...: COMMAND in its own session under timeout, output in NAME.log; NAME.status
+    # gets "status seconds". A token in the environment finds the processes that left the session (test runs
+    # start theirs with start_new_session) so that none outlives the step.
+    local name=$1 limit=$2 start=$SECONDS code status token
+    shift 2
+    token="gpu-check-$$-$name"
+    GPU_CHECK_STEP=$token setsid -w timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+    code=$?
+    reap "$token"
+    case $code in
+        0) status=passed ;;
+        124 | 137) status="TIMEOUT after ${limit}s" ;;
+        *) status="FAILED (exit $code)" ;;
+    esac
+    echo "$status|$((SECONDS - start))" >"$out/$name.status"
+    echo "== $name: $status"
 }
 
-step single --config configs/default.yaml --trainer.accelerator=gpu
-step dp --config configs/dp.yaml "--trainer.devices=[0]"
-step ddp_nccl --config configs/ddp.yaml "--trainer.devices=[0]"
-grep -q "distributed_backend=nccl" "$work/ddp_nccl.log" || { echo "FAILED: ddp did not use NCCL"; exit 1; }
-step bf16 --config configs/bf16.yaml --trainer.accelerator=gpu
-grep -q "bf16" "$work/bf16.log" || { echo "FAILED: bf16 run does not mention bf16"; exit 1; }
-step free_ddp --config configs/ddp.yaml --trainer.devices=free:1
-grep -q "training on GPU(s) \[0\]" "$work/free_ddp.log" || { echo "FAILED: free:1 did not report its pick"; exit 1; }
-# The whole checkpoint of the ddp run loads into the shards; the next step resumes from fsdp's sharded folder.
-step fsdp --config configs/fsdp.yaml "--trainer.devices=[0]"
-step fsdp_resumed --config configs/fsdp.yaml "--trainer.devices=[0]"
-grep -q "distributed_backend=nccl" "$work/fsdp.log" || { echo "FAILED: fsdp did not use NCCL"; exit 1; }
-grep -q "fsdp: sharded" "$work/fsdp.log" || { echo "FAILED: fsdp did not announce its sharding"; exit 1; }
+reap() {
+    # Kill every process whose environment carries the step's token.
+    local token=$1 environ pid
+    for environ in /proc/[0-9]*/environ; do
+        pid=${environ#/proc/}
+        pid=${pid%/environ}
+        if [[ $pid != "$$" ]] && { tr '\0' '\n' <"$environ" | grep -qx "GPU_CHECK_STEP=$token"; } 2>/dev/null; then
+            kill -KILL "$pid" 2>/dev/null
+        fi
+    done
+}
 
-echo "== refusal: free:1,min=100000GiB"
-set +e
-timeout 120 "$PYTHON" -m "$PACKAGE" fit --config configs/ddp.yaml --trainer.devices=free:1,min=100000GiB \
-    --trainer.default_root_dir="$work/refused" >"$work/refused.log" 2>&1
-code=$?
-set -e
-if [[ $code -ne 2 ]] || [[ $(grep -c "^error:" "$work/refused.log") -ne 1 ]] || grep -q Traceback "$work/refused.log"; then
-    cat "$work/refused.log"
-    echo "FAILED: expected exit 2 with one error line, got exit $code"
-    exit 1
+summary() {
+    # One line per step: name, status, seconds, and the last line of a pytest log (its counts).
+    local name status seconds last
+    {
+        printf '%-12s %-24s %8s  %s\n' step status seconds detail
+        for name in "$@"; do
+            if [[ -f "$out/$name.status" ]]; then
+                IFS='|' read -r status seconds <"$out/$name.status"
+            else
+                status="not run"
+                seconds=-
+            fi
+            last=""
+            [[ -f "$out/$name.log" ]] && last=$(grep -E "passed|failed|error" "$out/$name.log" | tail -1)
+            printf '%-12s %-24s %8s  %s\n' "$name" "$status" "$seconds" "${last:0:100}"
+        done
+    } | tee "$out/summary.txt"
+}
+
+# 1. What an offline CUDA image may lack, in one line, before anything runs (find_spec imports nothing).
+run_step preflight "$PREFLIGHT_S" "$PYTHON" -c '
+import importlib.util, sys
+pairs = [entry.split("=") for entry in sys.argv[1:]]
+missing = sorted({package for module, package in pairs if importlib.util.find_spec(module) is None})
+if missing:
+    sys.exit("missing: " + ", ".join(missing) + " (pip install them; offline, see docs/tests.md)")
+' "${REQUIRED[@]}"
+if [[ $(cut -d'|' -f1 "$out/preflight.status") != passed ]]; then
+    cat "$out/preflight.log"
+    exit 2
 fi
-grep "^error:" "$work/refused.log"
-echo "all GPU checks passed ($work)"
+if ! nvidia-smi -L >"$out/gpus.txt" 2>&1 || [[ ! -s "$out/gpus.txt" ]]; then
+    echo "no GPU: nvidia-smi -L lists none ($(head -1 "$out/gpus.txt"))"
+    exit 2
+fi
+cat "$out/gpus.txt"
+
+# 2. Correctness, side by side on the machine's cores: the GPU tests (slow ones included) and the fast suite.
+run_step gpu_tests "$TESTS_S" "$PYTHON" -m pytest "${PYTEST[@]}" -m gpu -n 4 &
+run_step fast_suite "$TESTS_S" "$PYTHON" -m pytest "${PYTEST[@]}" -m "not slow and not gpu" -n 10 &
+wait
+
+# 3. Timing, alone: nothing else runs beside it.
+run_step benchmark "$BENCHMARK_S" "$PYTHON" scripts/benchmark.py "${BENCHMARK[@]}" --out "$out/benchmark"
+[[ -f "$out/benchmark/benchmark.md" ]] && cat "$out/benchmark/benchmark.md"
+
+echo
+summary preflight gpu_tests fast_suite benchmark
+! grep -qv '^passed|' "$out"/*.status

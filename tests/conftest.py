@@ -168,9 +168,16 @@ class ForkServer:
 @pytest.fixture(scope="session")
 def fork_server() -> ForkServer:
     """One ForkServer per test session (per pytest-xdist worker)."""
-    server = ForkServer(cli_env(PYTHONPATH=str(REPO / "tests")))
+    server = ForkServer(cli_env(PYTHONPATH=pythonpath(REPO / "tests")))
     yield server
     server.close()
+
+
+def pythonpath(*folders: Path | str) -> str:
+    """A child's ``PYTHONPATH``: ``folders`` first, then this session's own, where the package may be importable only
+    through ``PYTHONPATH`` (a copy of the repository on a machine that cannot install it)."""
+    inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join([*map(str, folders), *filter(None, inherited)])
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -24,6 +24,7 @@ DEFAULT = CONFIGS / "default.yaml"
 GPUS = torch.cuda.device_count()
 # The GPU-only examples run on the CPU where that still runs the file's strategy, else only with enough GPUs.
 ON_CPU = ("--trainer.accelerator=cpu", "--trainer.devices=2")
+NEEDS_GPUS = {"dp.yaml": [pytest.mark.gpu(2)]}
 
 
 def _missing(*modules: str) -> list[str]:
@@ -47,7 +48,7 @@ CASES: dict[str, tuple[tuple[str, ...], bool, str | None]] = {
     "ddp.yaml": (() if GPUS >= 2 else ON_CPU, True, None),
     "fsdp_cpu.yaml": ((), True, None),
     "fsdp.yaml": (() if GPUS >= 2 else ON_CPU, True, None),  # FSDP2 and bf16-mixed run on CPU processes too
-    "dp.yaml": ((), False, None if GPUS >= 2 else "dp needs 2 CUDA GPUs (the file lists devices [0, 1])"),
+    "dp.yaml": ((), False, None),  # GPU only: marked gpu(2), the file lists devices [0, 1]
     # Its 2 nodes x 4 GPUs become 1 node x 2 CPU processes: the strategy, global batch and LR scaling still apply.
     "multinode.yaml": (("--trainer.num_nodes=1", *ON_CPU), True, None),
     "mlflow.yaml": (
@@ -96,13 +97,8 @@ def _params() -> list:
             _, multi, _ = _case(name)
         except KeyError:
             multi = False
-        params.append(
-            pytest.param(
-                name,
-                id=name,
-                marks=[pytest.mark.slow, pytest.mark.timeout(MULTI_PROCESS_TIMEOUT + 60)] if multi else [],
-            )
-        )
+        marks = [pytest.mark.slow, pytest.mark.timeout(MULTI_PROCESS_TIMEOUT + 60)] if multi else []
+        params.append(pytest.param(name, id=name, marks=[*marks, *NEEDS_GPUS.get(name, [])]))
     return params
 
 

@@ -1,6 +1,6 @@
 """strategy dp on real GPUs: the split, the replicas and the gather, against single-device runs on the same batches.
 
-Skipped without 2 CUDA GPUs; written to run as is on a multi-GPU machine."""
+Marked ``gpu(2)``: skipped without 2 CUDA GPUs; written to run as is on a multi-GPU machine."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from template.model import Classifier
 from template.nets import MLP
 from tests.conftest import CONFIGS
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="strategy dp needs at least 2 CUDA GPUs")
+pytestmark = pytest.mark.gpu(2)  # strategy dp splits each batch over 2 GPUs
 
 TWO_GPUS = [0, 1]
 
@@ -111,9 +111,8 @@ def test_one_step_equals_single_device_on_the_same_global_batch(tmp_path: Path, 
     assert_same_step(single, parallel, rtol=tol, atol=tol)
 
 
+@pytest.mark.gpu(3)  # to leave one out
 def test_devices_list_uses_exactly_those_gpus_with_the_first_as_root(tmp_path: Path) -> None:
-    if torch.cuda.device_count() < 3:
-        pytest.skip("needs 3 GPUs to leave one out")
     _, parallel = train(tmp_path, [2, 0], "dp")
     assert sorted(parallel.replica_calls) == [("cuda:0", 32, torch.float32), ("cuda:2", 32, torch.float32)]
 

@@ -13,21 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, PACKAGE, cli_env
+from conftest import CONFIGS, PACKAGE, cli_env, pythonpath
 
 from template.data import DigitsDataModule
 from template.engine.cli import main
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ROOT = os.geteuid() == 0
 # Root writes through permission bits; sysfs refuses new directories even to root.
 UNWRITABLE = "/sys/unwritable-test-data/data" if ROOT else "readonly/data"
 
 ES = "lightning.pytorch.callbacks.EarlyStopping"
+# On the CPU wherever the machine has a GPU too (default.yaml's accelerator is auto); the GPU cases name theirs.
 BASE = [
-    "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
-    "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+    "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.accelerator=cpu", "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
 ]  # fmt: skip
 
 # id: (extra arguments, fragments the one error line must contain: the bad value and the way out)
@@ -123,7 +123,7 @@ CASES = {
         ["save_interval=-3.0", "use e.g. 5"],
     ),
 }
-MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": GPU}
+MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": pytest.mark.gpu(1)}
 # A folder the disk refuses: 3, as for every failure of the disk; else 2.
 DISK_CASES = ["data-dir-is-a-file", "data-dir-not-writable", "checkpoint-dirpath-is-a-file"]
 EXIT_CODES = dict.fromkeys([*DISK_CASES, "checkpoint-dirpath-not-writable"], 3)
@@ -171,12 +171,36 @@ def test_bad_input_is_one_clear_line(
     fragments: list,
     code: int,
 ) -> None:
+    _assert_one_clear_line(tmp_path, monkeypatch, capsys, [*BASE, *extra], fragments, code)
+
+
+# Mistakes met by a run on the GPU as they are on the CPU: the data, the net and the optimizer on the device.
+GPU_CASES = ["val-check-interval-above-epoch", "net-negative-size", "optimizer-lr", "misspelt-monitor"]
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_bad_input_is_one_clear_line_on_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, name: str
+) -> None:
+    extra, fragments = CASES[name]
+    _assert_one_clear_line(tmp_path, monkeypatch, capsys, [*BASE, "--trainer.accelerator=gpu", *extra], fragments, 2)
+
+
+def _assert_one_clear_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    args: list,
+    fragments: list,
+    code: int,
+) -> None:
     _workspace(tmp_path)
     before = _snapshot(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [PACKAGE])
     with pytest.raises(SystemExit) as exit_info:
-        main([*BASE, *extra])
+        main(args)
     stderr = capsys.readouterr().err
     assert exit_info.value.code == code, stderr[-3000:]
     assert "Traceback" not in stderr
@@ -283,9 +307,9 @@ def test_a_second_start_refuses_and_a_killed_run_leaves_no_lock(tmp_path: Path, 
     paced = "trainer:\n  callbacks:\n    - class_path: step_marker.StepMarker\n"
     paced += "      init_args: {{path: steps.txt, delay: {}}}\n"
     (tmp_path / "paced.yaml").write_text(paced.format(60))
-    command = [*BASE[:3], "--config", "paced.yaml", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"]
+    command = [*BASE[:4], "--config", "paced.yaml", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"]
     command += ["--trainer.limit_train_batches=6", "--trainer.limit_val_batches=1", "--run.name=once"]
-    env = cli_env(PYTHONPATH=str(Path(__file__).parent))
+    env = cli_env(PYTHONPATH=pythonpath(Path(__file__).parent))
     first = subprocess.Popen(
         [sys.executable, "-m", PACKAGE, *command], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -317,7 +341,7 @@ def test_evaluating_without_a_checkpoint_says_the_weights_are_untrained(
     _workspace(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [PACKAGE])
-    main([subcommand, *BASE[1:3], "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1",
+    main([subcommand, *BASE[1:4], "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1",
           "--trainer.limit_predict_batches=1", "--trainer.enable_progress_bar=false"])  # fmt: skip
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "untrained weights" in warnings[0] and "--ckpt_path" in warnings[0], warnings
@@ -330,7 +354,9 @@ def test_a_missing_extra_is_one_line_naming_the_extra(tmp_path: Path, run_cli) -
     (tmp_path / "hidden" / "mlflow").mkdir(parents=True)
     (tmp_path / "hidden" / "mlflow" / "__init__.py").write_text("raise ImportError('No module named mlflow')\n")
     before = _snapshot(tmp_path)
-    done = run_cli(*BASE, "--config", str(CONFIGS / "mlflow.yaml"), env=cli_env(PYTHONPATH=str(tmp_path / "hidden")))
+    done = run_cli(
+        *BASE, "--config", str(CONFIGS / "mlflow.yaml"), env=cli_env(PYTHONPATH=pythonpath(tmp_path / "hidden"))
+    )
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "trackers" in errors[0] and "MLFlowLogger" in errors[0] and "pip install -e '.[mlflow]'" in errors[0]

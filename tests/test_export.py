@@ -24,8 +24,9 @@ def _net() -> MLP:
 
 
 def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    # Compared on the CPU: nn.DataParallel moves the module it wraps to cuda:0 where a GPU is visible.
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 @pytest.mark.slow
@@ -84,9 +85,13 @@ def test_map_location(tmp_path: Path) -> None:
     torch.save(_net().state_dict(), tmp_path / "net.pt")
     meta = extract_state_dict(load(tmp_path / "net.pt", map_location="meta"))
     assert {t.device.type for t in meta.values()} == {"meta"}
-    if torch.cuda.is_available():
-        net = load_weights(MLP((1, 8, 8), 10).cuda(), tmp_path / "net.pt", map_location="cuda:0")
-        assert next(net.parameters()).is_cuda
+
+
+@pytest.mark.gpu(1)
+def test_map_location_onto_a_gpu(tmp_path: Path) -> None:
+    torch.save(_net().state_dict(), tmp_path / "net.pt")
+    net = load_weights(MLP((1, 8, 8), 10).cuda(), tmp_path / "net.pt", map_location="cuda:0")
+    assert next(net.parameters()).is_cuda
 
 
 @pytest.mark.parametrize(

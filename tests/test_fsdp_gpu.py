@@ -1,11 +1,10 @@
 """Strategy fsdp on real GPUs: configs/fsdp.yaml as shipped (2 GPUs, NCCL, bf16-mixed, one unit per Linear), a
 stop and the same command again, bit-identical to the run that was not stopped.
 
-Skipped without 2 CUDA GPUs; written to run as is on a multi-GPU machine."""
+Marked ``gpu(2)``: skipped without 2 CUDA GPUs; written to run as is on a multi-GPU machine."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,9 +14,9 @@ import pytest
 import torch
 
 from template.engine import checkpoints
-from tests.conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
+from tests.conftest import CONFIGS, PACKAGE, REPO, cli_env, finish, pythonpath
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="strategy fsdp on GPUs needs 2 CUDA GPUs")
+pytestmark = pytest.mark.gpu(2)  # configs/fsdp.yaml shards over 2 GPUs
 
 RUN = [
     sys.executable, "-m", PACKAGE, "fit", "--config", str(CONFIGS / "fsdp.yaml"), "--trainer.max_epochs=2",
@@ -34,9 +33,11 @@ FAULT = (
 
 
 def _run(work: Path, *extra: str) -> tuple[int, str]:
-    env = cli_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = cli_env(PYTHONPATH=pythonpath(REPO / "tests"))
     with (work / "run.log").open("a") as out:
-        proc = subprocess.Popen([*RUN, *extra], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*RUN, *extra], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )  # its own process group: a timeout ends both ranks
         return finish(proc, WAIT), (work / "run.log").read_text()
 
 

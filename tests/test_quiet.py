@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, PACKAGE, cli_env
+from conftest import CONFIGS, PACKAGE, cli_env, pythonpath
 
 FIT = [
     "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.accelerator=cpu", "--trainer.limit_train_batches=4",
@@ -31,7 +31,8 @@ WARNING_LINE = re.compile(r"\.py:\d+: ")
 
 
 def _user_env() -> dict[str, str]:
-    env = cli_env()
+    # The runs mean the CPU: on a GPU machine Lightning rightly says "GPU available but not used" to a CPU run.
+    env = cli_env(CUDA_VISIBLE_DEVICES="")
     env.pop("PYTHONWARNINGS")  # a user's shell sets none: Python's default filters apply
     return env
 
@@ -64,7 +65,7 @@ def test_a_stopped_run_and_its_continuation_print_no_library_warning(run_cli, tm
     )
     command = [*FIT, "--config", "fault.yaml", "--run.name=quiet", "--trainer.max_epochs=1"]
     env = _user_env()
-    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["PYTHONPATH"] = pythonpath(Path(__file__).parent)
     first = run_cli(*command, env=env)
     assert first.returncode == 143, first.stderr[-3000:]
     resumed = run_cli(*command, env=env)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import CONFIGS, PACKAGE, cli_env
+from conftest import CONFIGS, PACKAGE, cli_env, pythonpath
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -124,7 +124,7 @@ def test_mid_epoch_resume_of_a_plain_dataloader_warns_what_repeats(straight: Pat
     del checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     torch.save(checkpoint, tmp_path / "mid.ckpt")
     # cli_env() silences Python warnings; this test is about one.
-    env = cli_env(PYTHONWARNINGS="default", PYTHONPATH=str(tmp_path))
+    env = cli_env(PYTHONWARNINGS="default", PYTHONPATH=pythonpath(tmp_path))
     resumed = run_cli(
         *FAST, "--data.class_path=plain_data.PlainDigits", "--trainer.max_epochs=1", "--ckpt_path", "mid.ckpt", env=env
     )

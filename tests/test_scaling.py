@@ -25,7 +25,7 @@ from template.engine.scaling import (
     scale_learning_rates,
 )
 from template.nets import MLP
-from tests.conftest import CONFIGS, REPO, cli_env
+from tests.conftest import CONFIGS, REPO, cli_env, pythonpath
 
 SHORT = ("--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1")
 BASE_LR = 1e-3  # the example's Adam default, and the user's model's below
@@ -249,7 +249,7 @@ def test_a_datamodule_with_its_batch_size_in_hparams_runs_under_ddp(run_cli, tmp
     # configs/ddp_cpu.yaml states a global batch; the DataModule keeps batch_size in hparams (save_hyperparameters).
     result = run_cli(
         "fit", "--config", CONFIGS / "ddp_cpu.yaml", "--data.class_path=user_code.plain_data.HparamsDigits", *SHORT,
-        env=cli_env(PYTHONPATH=str(REPO / "tests")), timeout=300,
+        env=cli_env(PYTHONPATH=pythonpath(REPO / "tests")), timeout=300,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
@@ -349,7 +349,7 @@ def test_gpu_accelerator_without_gpus_is_one_line(run_main, monkeypatch):
     )
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+@pytest.mark.gpu(1)
 def test_listing_a_gpu_that_does_not_exist_names_the_visible_ones(run_cli):
     count = torch.cuda.device_count()
     devices = f"--trainer.devices=[0,{count}]"
@@ -359,7 +359,7 @@ def test_listing_a_gpu_that_does_not_exist_names_the_visible_ones(run_cli):
     assert f"[0, {count}]" in line and f"visible to this process are {list(range(count))}" in line
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="strategy dp needs 2 CUDA GPUs")
+@pytest.mark.gpu(2)  # strategy dp over 2 GPUs
 def test_dp_loads_the_global_batch_whole_and_splits_it_over_its_gpus(run_cli, tmp_path):
     result = run_cli(
         "fit", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=gpu", "--trainer.strategy=dp",

@@ -78,7 +78,7 @@ def test_validation_time_is_left_out(tmp_path: Path) -> None:
     assert "throughput/flops_per_sec" not in row  # the module declares no FLOPs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak GPU memory needs CUDA")
+@pytest.mark.gpu(1)  # peak GPU memory needs CUDA
 def test_peak_gpu_memory_on_cuda(tmp_path: Path) -> None:
     trainer = Trainer(
         default_root_dir=tmp_path, max_epochs=1, accelerator="cuda", devices=1, logger=CSVLogger(tmp_path),

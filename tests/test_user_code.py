@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 import template
-from tests.conftest import cli_env
+from tests.conftest import cli_env, pythonpath
 
 PACKAGE = template.__name__
 
@@ -31,7 +31,7 @@ def test_user_net_and_data_train_from_yaml(run_cli, tmp_path, strategy):
     devices = 2 if strategy == "ddp" else 1
     config = {**USER_CONFIG, "trainer": {**USER_CONFIG["trainer"], "strategy": strategy, "devices": devices}}
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
-    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=str(USER_CODE)))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=pythonpath(USER_CODE)))
     assert result.returncode == 0, result.stderr[-3000:]
 
     run_dir = tmp_path / "lightning_logs" / "version_0"
@@ -73,7 +73,7 @@ def test_user_lightning_module_trains_by_yaml_alone(run_cli, tmp_path, strategy)
     # One optimizer step sees 64 samples either way: 64 on one process, 32 on each of two.
     config["scaling"] = {"global_batch_size": 64}
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
-    env = cli_env(PYTHONPATH=str(USER_CODE))
+    env = cli_env(PYTHONPATH=pythonpath(USER_CODE))
     result = run_cli("fit", "--config", "user.yaml", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -107,7 +107,7 @@ def test_a_chosen_class_gets_its_own_defaults_not_the_examples(run_cli, tmp_path
     # jsonargparse alone would give Waves the digits' batch_size (64) and Regressor nothing of its own.
     config = {"model": REGRESSION_CONFIG["model"], "data": {"class_path": "my_code.Waves"}}
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
-    env = cli_env(PYTHONPATH=str(USER_CODE))
+    env = cli_env(PYTHONPATH=pythonpath(USER_CODE))
     printed = run_cli("fit", "--config", "user.yaml", "--data.init_args.samples=256", "--print_config", env=env)
     assert printed.returncode == 0, printed.stderr[-3000:]
     full = yaml.safe_load(printed.stdout)
@@ -120,7 +120,7 @@ def test_a_module_without_a_checkpoint_section_keeps_last_ckpt_and_says_so(run_c
     config = {key: value for key, value in REGRESSION_CONFIG.items() if key != "checkpoint"}
     config["trainer"] = {**config["trainer"], "max_epochs": 1, "limit_train_batches": 3}
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
-    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=str(USER_CODE)))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=pythonpath(USER_CODE)))
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert [line for line in output.splitlines() if "no checkpoint.monitor set" in line], output[-3000:]
@@ -133,7 +133,7 @@ def test_a_module_without_a_checkpoint_section_keeps_last_ckpt_and_says_so(run_c
 def test_a_monitor_the_module_does_not_log_stops_before_training(run_cli, tmp_path):
     config = {**REGRESSION_CONFIG, "checkpoint": {"monitor": "val_acc", "mode": "max"}}
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
-    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=str(USER_CODE)))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=pythonpath(USER_CODE)))
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
