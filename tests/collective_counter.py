@@ -4,7 +4,10 @@ Collectives: the calls of ``torch.distributed``'s functions (wrapped in both ``t
 ``distributed_c10d`` module, so that a helper such as ``broadcast_object_list`` counts the collectives it runs).
 DDP's gradient buckets (C++) are not seen; they are the same in any Trainer. Host reads: the operators that wait for
 a device's result on the host (``.item()``, ``float(tensor)``, ``bool(tensor)``, and the operators of data-dependent
-size that synchronise a GPU, such as ``torch.unique``), seen on any device through a dispatch mode.
+size that synchronise a GPU, such as ``torch.unique``), seen on any device through a dispatch mode (``.tolist()`` and
+copies to the CPU are not seen there). On a CUDA device
+the synchronisations themselves are counted too (``cuda sync``), from ``torch.cuda.set_sync_debug_mode("warn")``:
+operators that synchronise inside (``torch.bincount``), copies from pageable host memory, the reads above.
 
 Counts go into buckets: ``step <n>`` from a training batch's start to the next bucket's start (its backward, its
 optimizer step, every callback's ``on_train_batch_end``), ``validation`` for a validation (with what follows it up to
@@ -15,10 +18,12 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed import distributed_c10d
@@ -30,6 +35,7 @@ COLLECTIVES = (
     "all_to_all", "all_to_all_single", "monitored_barrier", "gather_object", "scatter_object_list",
 )  # fmt: skip
 # Operators that read a device's result on the host: on a GPU each waits for the work queued before it.
+_SYNC = "called a synchronizing CUDA operation"
 HOST_READS = ("_local_scalar_dense", "_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select")
 
 
@@ -76,6 +82,17 @@ class CollectiveCounter(Callback):
                     setattr(module, name, counted)
         self._mode = HostReads(lambda name: self._count("host:" + name))
         self._mode.__enter__()
+        if trainer.strategy.root_device.type == "cuda":
+            self._shown = warnings.showwarning
+            warnings.showwarning = self._show
+            warnings.filterwarnings("always", message=_SYNC)
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def _show(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        if _SYNC in str(message):
+            self._count("cuda sync")
+        else:
+            self._shown(message, *args, **kwargs)
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         self._bucket = f"step {self._steps}"
@@ -91,6 +108,9 @@ class CollectiveCounter(Callback):
         if not trainer.is_global_zero:
             return
         self._mode.__exit__(None, None, None)
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._shown
         for module, name, original in self._wrapped:
             setattr(module, name, original)
         Path(self.path).write_text(json.dumps({bucket: dict(c) for bucket, c in self.counts.items()}, indent=1))

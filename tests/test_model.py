@@ -96,3 +96,22 @@ def test_a_training_step_reads_nothing_back_from_the_device_and_the_epoch_values
         logits = model(x)
     assert model.train_loss.compute() == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-6)
     assert model.val_acc.compute() == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+
+
+@pytest.mark.gpu(1)
+def test_on_a_gpu_the_example_steps_and_metrics_never_synchronise():
+    model = Classifier(MLP((1, 8, 8), 10), num_classes=10).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    batch = [t.cuda() for t in _batch()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising operation raises
+    try:
+        for index in range(3):
+            model.training_step(batch, index).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                model.validation_step(batch, index)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert model.train_loss.compute().item() > 0 and 0 <= model.val_acc.compute().item() <= 1
