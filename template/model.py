@@ -37,13 +37,15 @@ class Classifier(LightningModule):
         self.num_classes = num_classes
         self.optimizer = optimizer
         self.scheduler = scheduler
-        # One metric object per stage: their states must not mix, and torchmetrics syncs them across ranks.
-        self.train_acc = MulticlassAccuracy(num_classes)
-        self.val_acc = MulticlassAccuracy(num_classes)
-        self.test_acc = MulticlassAccuracy(num_classes)
-        self.train_loss = MeanMetric()
-        self.val_loss = MeanMetric()
-        self.test_loss = MeanMetric()
+        # One metric object per stage: their states must not mix, and torchmetrics syncs them across ranks. Their
+        # updates never wait for the GPU: plain accuracy (the per-class "macro" average counts with torch.bincount,
+        # which reads its input's range on the host), no per-update checks of the inputs or for NaNs.
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.train_loss = MeanMetric(nan_strategy="disable")
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.test_loss = MeanMetric(nan_strategy="disable")
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -51,9 +53,11 @@ class Classifier(LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         logits = self._logits(x)
-        loss = F.cross_entropy(logits, y)
+        losses = F.cross_entropy(logits, y, reduction="none")  # per sample: the epoch's mean weighs every sample
+        loss = losses.mean()
         self.train_acc.update(logits, y)
-        self.train_loss.update(loss, len(y))
+        self.train_loss.update(losses)
+        # Logged each step without waiting for the GPU: the bar and the loggers read the value when they show it.
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -65,7 +69,7 @@ class Classifier(LightningModule):
         x, y = batch
         logits = self._logits(x)
         self.val_acc.update(logits, y)
-        self.val_loss.update(F.cross_entropy(logits, y), len(y))
+        self.val_loss.update(F.cross_entropy(logits, y, reduction="none"))
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_loss", self.val_loss)
@@ -75,7 +79,7 @@ class Classifier(LightningModule):
         x, y = batch
         logits = self._logits(x)
         self.test_acc.update(logits, y)
-        self.test_loss.update(F.cross_entropy(logits, y), len(y))
+        self.test_loss.update(F.cross_entropy(logits, y, reduction="none"))
 
     def on_test_epoch_end(self) -> None:
         self.log("test_loss", self.test_loss)

@@ -75,3 +75,43 @@ def test_checkpoint_of_a_hand_built_model_loads_with_weights_only(tmp_path):
     trainer.save_checkpoint(tmp_path / "hand.ckpt")
     checkpoint = torch.load(tmp_path / "hand.ckpt", weights_only=True)
     assert checkpoint["hyper_parameters"] == {"num_classes": 10}
+
+
+def test_a_training_step_reads_nothing_back_from_the_device_and_the_epoch_values_weigh_every_sample():
+    # On a GPU each such read (.item(), bool(tensor), torch.unique, the range torch.bincount reads) waits for the
+    # work queued before it: the example's step and its metrics must not need one.
+    from collective_counter import HostReads
+
+    model = Classifier(MLP((1, 8, 8), 10, dropout=0.0), num_classes=10)
+    batches = [_batch(32), _batch(5)]  # a short last batch: the epoch's mean loss is per sample, not per batch
+    reads: list[str] = []
+    with torch.no_grad(), HostReads(reads.append):
+        for index, batch in enumerate(batches):
+            model.training_step(batch, index)
+            model.validation_step(batch, index)
+    assert reads == []
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    with torch.no_grad():
+        logits = model(x)
+    assert model.train_loss.compute() == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-6)
+    assert model.val_acc.compute() == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+
+
+@pytest.mark.gpu(1)
+def test_on_a_gpu_the_example_steps_and_metrics_never_synchronise():
+    model = Classifier(MLP((1, 8, 8), 10), num_classes=10).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    batch = [t.cuda() for t in _batch()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising operation raises
+    try:
+        for index in range(3):
+            model.training_step(batch, index).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                model.validation_step(batch, index)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert model.train_loss.compute().item() > 0 and 0 <= model.val_acc.compute().item() <= 1

@@ -351,3 +351,19 @@ def test_sigterm_during_validation_under_ddp_stops_every_rank_with_a_checkpoint(
     with (tmp_path / "lightning_logs" / "ddp-val" / "metrics.csv").open(newline="") as f:
         assert [int(row["step"]) for row in csv.DictReader(f) if row.get("train_loss")] == list(range(8))
     print(f"\nSIGTERM in validation under DDP: exit {code} {seconds:.2f} s after the signal")
+
+
+def test_sigterm_mid_epoch_under_ddp_stops_at_the_next_agreement_of_the_ranks(tmp_path: Path) -> None:
+    # Steps of 0.25 s: the ranks compare signals about once a second (run.preemption_check_interval), every 4 steps.
+    marker = _marker(tmp_path, delay=0.25, exit_delay=6)
+    command = [sys.executable, "-m", PACKAGE, *DDP, "--config", marker, "--run.name=ddp-mid", "--trainer.max_epochs=1",
+               "--trainer.limit_train_batches=40"]  # fmt: skip
+    proc = _start(command, tmp_path, _env(tmp_path, MASTER_PORT=str(_free_port())))
+    _wait_for_step(tmp_path / "steps.txt", 20, proc)
+    signalled, step = time.time(), _steps(tmp_path / "steps.txt")[-1][0]
+    code, _ = _signal_and_finish(proc, signal.SIGTERM)  # rank 0 only
+    stopped = _check_stopped(tmp_path, "ddp-mid", signal.SIGTERM, code)["global_step"]
+    written = (tmp_path / "lightning_logs" / "ddp-mid" / "checkpoints" / "interrupted.ckpt").stat().st_mtime
+    print(f"\nSIGTERM mid-epoch under DDP: signal after step {step}, checkpoint at step {stopped}, written "
+          f"{written - signalled:.2f} s after the signal (steps of 0.25 s)")  # fmt: skip
+    assert step <= stopped <= step + 8 and stopped < 40  # a stride of at most 2 s of steps, the next safe point

@@ -15,7 +15,7 @@ import pytest
 from template.engine.checkpoints import newest
 from template.engine.errors import ConfigError
 from template.engine.loggers import CSVLogger
-from template.engine.run import claim, release, run_name
+from template.engine.run import claim, continue_run, release, run_name
 
 
 @pytest.mark.parametrize(
@@ -101,3 +101,11 @@ def test_a_killed_runs_forked_workers_do_not_keep_its_folder_locked(tmp_path: Pa
         release()
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_negative_preemption_check_interval_is_one_line() -> None:
+    from jsonargparse import Namespace
+
+    with pytest.raises(ConfigError, match=r"^run.preemption_check_interval=-1.0 must be seconds >= 0 \(e.g. 1.0; 0:"):
+        continue_run(Namespace(run=Namespace(preemption_check_interval=-1.0)))
+    assert continue_run(Namespace(run=Namespace(preemption_check_interval=0.0))).preemption_check_interval == 0.0

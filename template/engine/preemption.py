@@ -44,6 +44,11 @@ class Preemption(Callback):
     Lightning resumes a checkpoint written inside one inexactly. A signal in the sanity check stops at once without a
     checkpoint: nothing has been trained. A second Ctrl-C stops at once (``KeyboardInterrupt``, Lightning's own
     shutdown).
+
+    Several processes compare their signals in a collective (a host-device sync on GPUs) at a stride of training
+    batches that all of them agree on at each comparison: batches worth about ``check_interval`` seconds at the pace
+    since the last comparison, at most twice the last stride. The stop is taken at the first safe point at or after
+    the next comparison, and at every epoch's end.
     """
 
     announcement = Mechanism(
@@ -52,7 +57,9 @@ class Preemption(Callback):
         "--run.preemption=false",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, check_interval: float = 1.0) -> None:
+        self.check_interval = check_interval
+        self._restart_stride()
         self._received: int | None = None
         self._stopping: tuple[int, str, bool] | None = None
         self.signalled_at: float | None = None
@@ -79,6 +86,12 @@ class Preemption(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_over_sigterm(trainer)
+        self._restart_stride()
+
+    def _restart_stride(self) -> None:
+        self._batches = self._agreed_batches = 0  # training batch ends in this fit, and at the last comparison
+        self._stride = self._due = 1  # the first comparison after the first batch
+        self._agreed_time = time.monotonic()
 
     def _take_over_sigterm(self, trainer: Trainer) -> None:
         """Replace the SIGTERM handler Lightning installs after ``on_fit_start`` (it calls ours too, and sets
@@ -105,8 +118,10 @@ class Preemption(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling. One process
-        # without a signal has nothing to do; several agree on the signal at every safe point (a collective).
-        if (self._received is not None or trainer.world_size > 1) and exact_resume_point(trainer):
+        # without a signal has nothing to do; several agree on the signal at the first safe point of their stride.
+        self._batches += 1
+        due = self._batches >= self._due if trainer.world_size > 1 else self._received is not None
+        if due and exact_resume_point(trainer):
             self._stop_if_signalled(trainer, raise_now=False)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -190,9 +205,16 @@ class Preemption(Callback):
         """The signal any rank received, the same on every rank at the same safe point."""
         if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
             return self._received
-        code = torch.tensor([self._received or 0], device=trainer.strategy.root_device)
+        # Each process proposes the next stride from its own pace; the smallest one is agreed, with the signal.
+        batches, now = self._batches - self._agreed_batches, time.monotonic()
+        pace = round(self.check_interval * batches / max(now - self._agreed_time, 1e-9)) if batches else self._stride
+        proposal = max(1, min(2 * self._stride, pace))
+        code = torch.tensor([self._received or 0, -proposal], device=trainer.strategy.root_device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        return int(code.item()) or None
+        signum, stride = code.tolist()
+        self._stride, self._agreed_batches, self._agreed_time = -stride, self._batches, now
+        self._due = self._batches - stride
+        return signum or None
 
 
 def _after_the_run(signum: int, frame: FrameType | None, before: Any) -> None:

@@ -34,17 +34,27 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)
 class RunOptions:
     """The ``run`` options: which run folder a ``fit`` belongs to, so that the same command continues it."""
 
-    def __init__(self, name: str | None = None, save_every_n_steps: int | None = None, preemption: bool = True) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        save_every_n_steps: int | None = None,
+        preemption: bool = True,
+        preemption_check_interval: float = 1.0,
+    ) -> None:
         """``name``: the run's folder under ``<default_root_dir>/lightning_logs/`` (default: the scheduler's job id).
 
         ``save_every_n_steps``: also write ``checkpoints/last-step.ckpt`` every N training steps, for restarts after a
         SIGKILL (torchrun elastic restarts, the OOM killer), which leave no time for a checkpoint on the way out.
 
         ``preemption``: on SIGTERM, SIGUSR1 or Ctrl-C write ``checkpoints/interrupted.ckpt`` (and requeue a SLURM job).
+
+        ``preemption_check_interval``: with several processes, about how many seconds apart they compare signals
+        (a collective and a GPU sync each time; the stop waits for the next comparison); 0: at every step.
         """
         self.name = name
         self.save_every_n_steps = save_every_n_steps
         self.preemption = preemption
+        self.preemption_check_interval = preemption_check_interval
 
 
 def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.environ) -> str | None:
@@ -83,6 +93,7 @@ class Run:
     resume: bool
     save_every_n_steps: int | None = None
     preemption: bool = True
+    preemption_check_interval: float = 1.0
     resume_step: int | None = None  # the global step of the checkpoint the run continues from
 
     def describe(self) -> str | None:
@@ -103,8 +114,12 @@ def continue_run(config: Any) -> Run:
     preemption = config.get("run.preemption") is not False
     if every is not None and every < 1:
         raise ConfigError(f"run.save_every_n_steps={every} must be a number of steps >= 1, or null for none")
+    interval = config.get("run.preemption_check_interval", 1.0)
+    if interval < 0:
+        raise ConfigError(f"run.preemption_check_interval={interval} must be seconds >= 0 (e.g. 1.0; 0: every step)")
+    preemption = {"preemption": preemption, "preemption_check_interval": interval}
     if name is None:
-        return Run(None, None, ckpt_path, resume=False, save_every_n_steps=every, preemption=preemption)
+        return Run(None, None, ckpt_path, resume=False, save_every_n_steps=every, **preemption)
     directory = run_dir(config.get("trainer.default_root_dir"), name)
     if ckpt_path is None:
         dirpath = config.get("checkpoint.dirpath")
@@ -114,7 +129,7 @@ def continue_run(config: Any) -> Run:
         option = f"the run's folder {directory}"
         step = checkpoints.check(ckpt_path, option, strategy=config.get("trainer.strategy")).get("global_step")
     return Run(
-        name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, preemption=preemption,
+        name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, **preemption,
         resume_step=step if isinstance(step, int) else None,
     )  # fmt: skip
 

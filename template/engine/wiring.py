@@ -89,7 +89,8 @@ def callbacks(
         added += ema_callbacks(**vars(ema)) if ema is not None else []
         # After the callbacks that change the training state at a batch's end (the average of the weights, the
         # user's): the checkpoints written there hold this batch's changes. Provenance records the signal it stopped on.
-        added += [*([Preemption()] if run.preemption else []), Provenance(), *periodic_checkpoint(run)]
+        preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
+        added += [*preemption, Provenance(), *periodic_checkpoint(run)]
     if not added:
         return {}
     return {"callbacks": [*(configured if isinstance(configured, list) else [configured]), *added]}
