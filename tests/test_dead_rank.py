@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import pytest
 from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
 
 from template.engine import watchdog
-from template.engine.cli import TRACEBACK_VARIABLE
+from template.engine.errors import TRACEBACK_VARIABLE
 from template.engine.watchdog import DeadRank
 
 WAIT = 240  # seconds for one start; a healthy 2-process start takes 15-25 s here
@@ -45,6 +46,12 @@ def test_the_line_names_the_rank_its_signal_and_the_checkpoint() -> None:
     assert parent.line().startswith("rank 0 (PID 7), which started this process, ended without stopping it")
     assert "\n" not in parent.line() and parent.exit_code == 1
     assert DeadRank(1, 7, -99, None).line().startswith("rank 1 (PID 7) was killed by signal 99;")
+    # A rank that torchrun or SLURM started apart from the others cannot name the one that died; their launcher does.
+    apart = DeadRank(None, None, None, "x.ckpt")
+    assert apart.line() == (
+        "another rank of the job ended while this one waited for it (the collective's connection closed): the "
+        "launcher's report names which and how; run the same command to continue from x.ckpt"
+    )
 
 
 def test_a_collectives_lost_peer_is_told_from_other_errors() -> None:
@@ -134,6 +141,42 @@ def test_a_dead_rank_ends_the_job_with_one_line(tmp_path: Path, config: str, sig
         ), errors[0]
 
     # The same command continues from that checkpoint and finishes.
+    code, output = _start(command, tmp_path, env)
+    assert code == 0, output[-4000:]
+    assert f"resuming from {checkpoint} (epoch 0, step 4)" in output, output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
+def test_under_torchrun_the_surviving_rank_says_one_line(tmp_path: Path) -> None:
+    """Each rank started apart by torchrun's agent: the agent reports which died; the rank left says one line."""
+    (tmp_path / "fault.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: fault.Fault\n      init_args: "
+        "{moment: train_batch, signal: SIGKILL, epoch: 0, batch: 5, ranks: [1]}\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        "bash", str(REPO / "scripts" / "torchrun.sh"), "--nproc_per_node=2", f"--master_port={port}", "--run_id=t1",
+        "fit", "--config", str(CONFIGS / "ddp_cpu.yaml"), *BASE[:-2], "--config=fault.yaml",
+    ]  # fmt: skip
+    env = cli_env(
+        PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    )
+    env.pop(TRACEBACK_VARIABLE, None)
+
+    code, output = _start(command, tmp_path, env)
+    assert code != 0 and (tmp_path / "fault.fired").is_file(), output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    checkpoint = os.path.join("lightning_logs", "torchrun-t1", "checkpoints", "last.ckpt")
+    assert errors == [
+        "error: another rank of the job ended while this one waited for it (the collective's connection closed): the "
+        f"launcher's report names which and how; run the same command to continue from {checkpoint}"
+    ], output[-4000:]
+    assert "[rank0]" not in output and "Stopping on" not in output, output[-4000:]  # the ranks' own tracebacks
+    assert "Signal 9 (SIGKILL) received by PID" in output  # torchrun's report names the dead rank
+
     code, output = _start(command, tmp_path, env)
     assert code == 0, output[-4000:]
     assert f"resuming from {checkpoint} (epoch 0, step 4)" in output, output[-3000:]

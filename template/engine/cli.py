@@ -10,7 +10,6 @@ import functools
 import importlib
 import inspect
 import logging
-import os
 import sys
 import traceback
 import warnings
@@ -34,10 +33,12 @@ from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
 from template.engine.ema import EMAOptions
 from template.engine.errors import (
+    TRACEBACK_VARIABLE,
     config_error_in,
     disk_error_in,
     explain_parser_error,
     explain_trainer_error,
+    full_traceback,
     one_line,
 )
 from template.engine.final_test import evaluate_best
@@ -64,8 +65,6 @@ from template.engine.throughput import ThroughputLog
 from template.engine.watchdog import HangWatchdog, dead_rank
 
 PROGRAM = f"python -m {template.__name__}"
-# Set to 1: an `error:` line that stands for an exception (a dead rank's, a mistake's) is preceded by its traceback.
-TRACEBACK_VARIABLE = "FULL_TRACEBACK"
 
 # The example the command line runs unless a config names another LightningModule or DataModule.
 EXAMPLE = {"model": f"{template.__name__}.model.Classifier", "data": f"{template.__name__}.data.DigitsDataModule"}
@@ -542,7 +541,7 @@ def main(args: list[str] | None = None) -> None:
         if code in (2, 3):
             # A mistake or the disk: a folder this command created is removed again, unless training had started.
             discard_unstarted()
-        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+        if full_traceback():
             traceback.print_exc()
         print(f"error: {line}", file=sys.stderr)
         sys.exit(code)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +24,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from template.engine import checkpoints
-from template.engine.errors import ConfigError, chain
+from template.engine.errors import ConfigError, chain, full_traceback
 from template.engine.internals import (
     cluster_environment,
     launched_children,
@@ -94,6 +95,10 @@ class HangWatchdog(Callback):
             atexit.unregister(_end_process_group)
         children = launched_children(trainer)
         if not children:
+            if trainer.world_size > 1 and _launcher is None and lost_peer(exception):
+                # Started apart (torchrun, SLURM): another rank died, which the launcher names. Said now, before the
+                # launcher's SIGTERM to the ranks left ends this one with a line of its own.
+                DeadRank(None, None, None, _newest_checkpoint(trainer)).report_and_exit(exception)
             return
         _FAILING.set()
         timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
@@ -142,8 +147,8 @@ class DeadRank:
     process cannot know it (the rank is its parent); ``checkpoint``: the newest, which the same command continues from.
     """
 
-    rank: int
-    pid: int
+    rank: int | None  # None: a rank this process cannot name (torchrun, SLURM: each rank is started apart)
+    pid: int | None
     returncode: int | None
     checkpoint: str | None
 
@@ -157,7 +162,12 @@ class DeadRank:
     def line(self) -> str:
         """One line: which rank died and how, and where the same command continues from."""
         who = f"rank {self.rank} (PID {self.pid})"
-        if self.returncode is None:
+        if self.rank is None:
+            what = (
+                "another rank of the job ended while this one waited for it (the collective's connection closed): "
+                "the launcher's report names which and how"
+            )
+        elif self.returncode is None:
             what = (
                 f"{who}, which started this process, ended without stopping it: killed by a signal (out of memory, "
                 "kill -9) or crashed; the job's exit status names the signal (137: SIGKILL, 139: SIGSEGV)"
@@ -171,9 +181,11 @@ class DeadRank:
             return f"{what}; no checkpoint was written yet: the same command starts from the beginning"
         return f"{what}; run the same command to continue from {self.checkpoint}"
 
-    def report_and_exit(self) -> None:
+    def report_and_exit(self, exception: BaseException | None = None) -> None:
         """Print the line and end this process now, from any thread (the main one may be blocked in a collective)."""
         with _REPORTING:
+            if exception is not None and full_traceback():
+                traceback.print_exception(exception)
             print(f"error: {self.line()}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(self.exit_code)
