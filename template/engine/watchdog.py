@@ -73,9 +73,9 @@ class HangWatchdog(Callback):
         global _recorded
         _recorded = None  # a command run earlier in this process (a test, a notebook) has ended
         _FAILING.clear()
-        if on_child_failure(lambda: self._child_failed(trainer)):
-            pass  # Lightning would SIGKILL this process the moment a child exits non-zero, saying nothing of it
-        elif trainer.local_rank > 0 and launched_children(trainer) is None:
+        # Lightning's launcher would SIGKILL this process the moment a child exits non-zero, saying nothing of it.
+        launcher = on_child_failure(lambda: self._child_failed(trainer))
+        if not launcher and trainer.local_rank > 0 and launched_children(trainer) is None:
             if isinstance(cluster_environment(trainer), LightningEnvironment):
                 # Started by rank 0 (Lightning's launcher): its death is this rank's to report, then it ends.
                 _watch_launcher(trainer, os.getppid(), wait=self.grace + 10)
@@ -94,14 +94,14 @@ class HangWatchdog(Callback):
             # to the timeout) instead of exiting. A signal's stop is orderly: every rank stopped at the same point.
             atexit.unregister(_end_process_group)
         children = launched_children(trainer)
+        timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
         if not children:
-            if trainer.world_size > 1 and _launcher is None and lost_peer(exception):
+            if trainer.world_size > 1 and _launcher is None and not timed_out and lost_peer(exception):
                 # Started apart (torchrun, SLURM): another rank died, which the launcher names. Said now, before the
                 # launcher's SIGTERM to the ranks left ends this one with a line of its own.
                 DeadRank(None, None, None, _newest_checkpoint(trainer)).report_and_exit(exception)
             return
         _FAILING.set()
-        timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
         if not timed_out:
             # A rank that raised is already on its way out (printing its traceback): let it finish.
             deadline = time.monotonic() + self.grace
@@ -261,7 +261,7 @@ def _watch_launcher(trainer: Trainer, parent: int, wait: float) -> None:
 
 def lost_peer(err: BaseException) -> bool:
     """Whether ``err`` is a collective's failure because another rank of the job is gone."""
-    return any(isinstance(e, dist.DistError) or _LOST_PEER.search(str(e)) for e in chain(err))
+    return any(isinstance(e, dist.DistNetworkError) or _LOST_PEER.search(str(e)) for e in chain(err))
 
 
 def dead_rank(err: BaseException) -> DeadRank | None:
