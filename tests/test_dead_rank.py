@@ -17,6 +17,7 @@ import pytest
 from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
 
 from template.engine import watchdog
+from template.engine.cli import main
 from template.engine.errors import TRACEBACK_VARIABLE
 from template.engine.watchdog import DeadRank
 
@@ -66,6 +67,20 @@ def test_a_collectives_lost_peer_is_told_from_other_errors() -> None:
     assert not watchdog.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     # A process that knows of no dead rank (one process, or nothing recorded) keeps the exception's own report.
     assert watchdog.dead_rank(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
+def test_full_traceback_shows_the_exception_behind_an_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for value, shown in (("", False), ("1", True)):
+        monkeypatch.setenv(TRACEBACK_VARIABLE, value)
+        with pytest.raises(SystemExit) as exited:
+            main(["fit", "--ckpt_path=missing.ckpt", "--trainer.accelerator=cpu"])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert ("Traceback (most recent call last)" in err) is shown, err
+        assert err.splitlines()[-1].startswith("error: checkpoint 'missing.ckpt' does not exist"), err
 
 
 def _session_processes(sid: int) -> list[int]:
