@@ -108,6 +108,31 @@ def test_launched_children_are_the_ddp_launchers_processes() -> None:
     assert internals.launched_children(_trainer()) is None
 
 
+def test_on_child_failure_replaces_the_launchers_sigkill() -> None:
+    """``_ChildProcessObserver._terminate_all``: a child rank exiting non-zero reaches the watchdog, which reports which
+    rank died and how, instead of Lightning SIGKILLing the job (here a stand-in process) without a word."""
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    assert not internals.on_child_failure(lambda: None)  # no launcher watches children here
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    called = threading.Event()
+    # It first looks after a second, long after the watchdog (in the launched run's setup) has replaced its kill.
+    observer = _ChildProcessObserver(main_pid=job.pid, child_processes=[child], sleep_period=1)
+    try:
+        observer.start()
+        assert internals.on_child_failure(called.set)
+        assert called.wait(timeout=60)
+        observer.join(timeout=10)
+        assert job.poll() is None, "the launcher's SIGKILL still went out"
+    finally:
+        job.kill()
+        job.wait(timeout=10)
+        child.wait(timeout=60)
+
+
 def test_cluster_environment_under_a_single_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_accelerator_connector.cluster_environment``: preemption reads SLURM's requeue settings from it."""
     from lightning.fabric.plugins.environments import SLURMEnvironment

@@ -11,6 +11,7 @@ import importlib
 import inspect
 import logging
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +33,12 @@ from template.engine.compile import CompileNetwork
 from template.engine.elastic import join_restarted_group
 from template.engine.ema import EMAOptions
 from template.engine.errors import (
+    TRACEBACK_VARIABLE,
     config_error_in,
     disk_error_in,
     explain_parser_error,
     explain_trainer_error,
+    full_traceback,
     one_line,
 )
 from template.engine.final_test import evaluate_best
@@ -59,7 +62,7 @@ from template.engine.run import (
 )
 from template.engine.scaling import BatchScaling
 from template.engine.throughput import ThroughputLog
-from template.engine.watchdog import HangWatchdog
+from template.engine.watchdog import HangWatchdog, dead_rank
 
 PROGRAM = f"python -m {template.__name__}"
 
@@ -541,8 +544,11 @@ def main(args: list[str] | None = None) -> None:
             # The user's code, another library or the engine: the traceback is the report. Say first whose code it is.
             blame.print_user_code_line(err)
             raise
-        # A mistake or the disk: a folder this command created is removed again, unless training had started.
-        discard_unstarted()
+        if code in (2, 3):
+            # A mistake or the disk: a folder this command created is removed again, unless training had started.
+            discard_unstarted()
+        if full_traceback():
+            traceback.print_exc()
         print(f"error: {line}", file=sys.stderr)
         sys.exit(code)
     finally:
@@ -554,11 +560,14 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _verdict(err: Exception) -> tuple[int | None, str]:
-    """The exit code and the one line for a mistake (2) or a failure of the disk (3); (None, "") for anything else."""
+    """The exit code and the one line for a mistake (2), a failure of the disk (3) or a rank of the job that died
+    (128 + its signal, or its exit code); (None, "") for anything else."""
     if (config := config_error_in(err)) is not None:
         return 2, str(config)
     if (disk := disk_error_in(err)) is not None:
         return 3, str(disk)
+    if (dead := dead_rank(err)) is not None:
+        return dead.exit_code, f"{dead.line()} ({TRACEBACK_VARIABLE}=1 shows this rank's traceback)"
     if blame.user_function_calling(err) is None and blame.refused_by(err, package="lightning") is not None:
         # Lightning alone refused a Trainer setting when it met the data (val_check_interval above an epoch's batches).
         return 2, explain_trainer_error(one_line(blame.root_cause(err)))

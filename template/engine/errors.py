@@ -12,6 +12,14 @@ from pathlib import Path
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+# Set to 1: an `error:` line that stands for an exception (a mistake's, a dead rank's) is preceded by its traceback.
+TRACEBACK_VARIABLE = "FULL_TRACEBACK"
+
+
+def full_traceback() -> bool:
+    """Whether the user asked for the tracebacks behind the one-line errors (``FULL_TRACEBACK=1``)."""
+    return os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0")
+
 
 class ConfigError(Exception):
     """A mistake in the user's configuration or input; the message names the bad value and the fix."""

@@ -102,6 +102,25 @@ def launched_children(trainer: Trainer) -> list[subprocess.Popen] | None:
     return list(procs) or None
 
 
+def on_child_failure(handler: Callable[[], None]) -> bool:
+    """Have Lightning's launcher call ``handler`` (in its watching thread) when a child rank exits non-zero, instead of
+    SIGKILLing this process and the other children; False when no launcher of this process watches any.
+
+    ``_SubprocessScriptLauncher`` starts a ``_ChildProcessObserver`` thread that polls the children every 5 s and, on
+    a non-zero exit, SIGKILLs the job, this process included: a rank killed by the OOM killer would end the job with
+    no word of which rank and how. The hang watchdog reports it instead, and takes the job down itself.
+    """
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    observers = [thread for thread in threading.enumerate() if isinstance(thread, _ChildProcessObserver)]
+    for observer in observers:
+        _require(observer, "_terminate_all", "lightning", "the hang watchdog (reporting a dead rank)")
+        observer._terminate_all = handler
+    return bool(observers)
+
+
 def cluster_environment(trainer: Trainer) -> Any:
     """The cluster environment (SLURM, torchrun, ...) the Trainer detected, also under a single-device strategy.
 
