@@ -213,10 +213,12 @@ def test_startup_compares_the_command_with_bare_lightning(tmp_path: Path) -> Non
     result = _script("startup.py", "--repeats", "1", cwd=tmp_path, timeout=840)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| fit --help", "| first training"))]
-    # --help, then the first step with the example's classes and with a user's classes named by class_path.
-    assert len(rows) == 3 and "a user's classes by class_path" in rows[2], result.stdout
+    # --help, then the first step with the example's classes and with a user's classes named by class_path, the
+    # latter against a bare Trainer and against Lightning's own LightningCLI.
+    assert len(rows) == 4 and all("a user's classes by class_path" in row for row in rows[2:]), result.stdout
+    assert [row.split("|")[2].strip() for row in rows[2:]] == ["bare Lightning Trainer.fit", "bare LightningCLI fit"]
     for row in rows:
-        ours, bare, ratio, difference = (float(cell.split()[0]) for cell in row.split("|")[2:6])
+        ours, bare, ratio, difference = (float(cell.split()[0]) for cell in row.split("|")[3:7])
         # One round: the round's ratio and difference are those of the two runs.
         assert 0 < ours < 600 and 0 < bare < 600 and ratio == pytest.approx(ours / bare, abs=0.01)
         assert difference == pytest.approx(ours - bare, abs=0.01)
