@@ -4,6 +4,7 @@
     python scripts/benchmark.py                                 # a small MLP on synthetic data, and the example
     python scripts/benchmark.py --config configs/my.yaml        # your own model and data (configs stack)
     python scripts/benchmark.py --steps 20 --warmup 5 --repeats 1 --out /tmp/bench   # a quick smoke run
+    python scripts/benchmark.py --workload conv --strategies single --steps 200 --warmup 30 --repeats 3
 
 Every measurement is a fresh process running the real command, ``python -m template fit ...``, for a fixed number
 of steps with validation off: the first ``--warmup`` steps are not timed, the next ``--steps`` are, and each cell
@@ -58,11 +59,49 @@ data:
     batch_size: 64
 """
 
+# A small ResNet on synthetic 3x32x32 images, batch 256, as a GPU user runs it: bf16-mixed, DataLoader workers,
+# pinned memory. The network and the DataModule are a user's code (scripts/benchmark_user.py), named by class_path.
+CONV_WORKLOAD = """\
+# A CIFAR-style ResNet, batch 256, synthetic 3x32x32 images (written by scripts/benchmark.py).
+model:
+  net:
+    class_path: benchmark_user.ResNet
+    init_args:
+      widths: {widths}
+      blocks_per_stage: {blocks}
+data:
+  class_path: benchmark_user.SyntheticImages
+  init_args:
+    batch_size: 256
+    num_workers: {workers}
+    pin_memory: {pin_memory}
+trainer:
+  precision: {precision}
+"""
+
+
+CONV_GPU = {"widths": [64, 128, 256, 512], "blocks": 2, "workers": 4, "pin_memory": "true", "precision": "bf16-mixed"}
+# A step of the GPU's ResNet-18 takes ~20 s on two CPU cores: the CPU runs the same code at the classic ResNet-8 size,
+# in fp32 (bf16 autocast is slower than fp32 on most CPUs) with nothing to pin memory for.
+CONV_CPU = {"widths": [16, 32, 64], "blocks": 1, "workers": 2, "pin_memory": "false", "precision": "32-true"}
+
+
+def conv_workload(gpus: int) -> tuple[str, str]:
+    """The conv workload's name and config on this machine: ResNet-18 in bf16-mixed on a GPU, ResNet-8 in fp32 on
+    the CPU."""
+    name = "conv: ResNet-18 bf16-mixed" if gpus else "conv: ResNet-8 fp32"
+    return f"{name}, batch 256, synthetic 3x32x32", CONV_WORKLOAD.format(**(CONV_GPU if gpus else CONV_CPU))
+
 
 # The reference row of Lightning's loop without the project's loggers, progress bar and callbacks.
 BARE = "bare Lightning"
 
-WORKLOADS = {"mlp": "MLP 784-256-10, batch 64, synthetic data", "example": "example (configs/default.yaml)"}
+WORKLOADS = {
+    "mlp": "MLP 784-256-10, batch 64, synthetic data",
+    "example": "example (configs/default.yaml)",
+    "conv": "ResNet, batch 256, synthetic 3x32x32",  # named with its size and precision by conv_workload
+}
+DEFAULT_WORKLOADS = ("mlp", "example")  # conv takes seconds a step on a CPU: asked for by name
 
 
 class SyntheticDataModule(LightningDataModule):
@@ -209,9 +248,12 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
     data.setup("fit")
     loader = data.train_dataloader()
 
-    # Data pipeline alone: batches per second out of the same DataLoader, nothing else.
+    # Data pipeline alone: batches per second out of the same DataLoader, nothing else. The first batch's arrival
+    # is this process's "first step", as Lightning calls on_train_batch_start once it holds the first batch.
     batches = _endless(loader)
-    for _ in range(warmup):
+    next(batches)
+    first_step = time.time()
+    for _ in range(warmup - 1):
         next(batches)
     start, samples = time.perf_counter(), 0
     for _ in range(steps):
@@ -219,6 +261,8 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
     data_seconds = time.perf_counter() - start
 
     net = model.net.to(device).train()
+    # What precision="bf16-mixed" does around a step: the forward pass and the loss under bf16 autocast.
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cli.trainer.precision == "bf16-mixed")
     optimizer = model.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     batches = _endless(loader)
@@ -226,7 +270,8 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
     for step in range(warmup + steps):
         x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = F.cross_entropy(net(x), y)
+        with autocast:
+            loss = F.cross_entropy(net(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -237,7 +282,7 @@ def baseline_worker(out_path: str, warmup: int, steps: int, cli_args: list[str])
     hand_seconds = _clock(device) - window_start
 
     result = {
-        "hand": {"seconds": hand_seconds, "samples": timed_samples, "steps": steps},
+        "hand": {"seconds": hand_seconds, "samples": timed_samples, "steps": steps, "first_step": first_step},
         "data": {"seconds": data_seconds, "samples": samples, "steps": steps},
         "batch_size": getattr(data, "batch_size", None),
         "device": str(device),
@@ -254,7 +299,8 @@ def bare_worker(out_path: str, warmup: int, steps: int, cli_args: list[str]) -> 
     cli = _build(cli_args)
     device = cli.trainer.strategy.root_device
     bare = Trainer(
-        accelerator=device.type, devices=1, max_epochs=-1, max_steps=warmup + steps, limit_val_batches=0,
+        accelerator=device.type, devices=1, precision=cli.trainer.precision, max_epochs=-1, max_steps=warmup + steps,
+        limit_val_batches=0,
         num_sanity_val_steps=0, log_every_n_steps=cli.trainer.log_every_n_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         callbacks=[StepTimer(out_path, warmup, steps)], default_root_dir=Path(out_path).parent,
@@ -438,23 +484,26 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
             imports.import_seconds = import_breakdown(work, args)
         for name, config_args in workloads.items():
             hand, bare, data, *runs = matrix[name]
-            results = {}
+            results, launches = {}, {}
             for worker in ("baseline", "bare"):
                 out = work / f"{_slug(name)}-{worker}-{repeat}.json"
                 command = [sys.executable, str(Path(__file__).resolve()), f"--{worker}-worker", str(out)]
                 command += [f"--warmup={args.warmup}", f"--steps={args.steps}", "--", *config_args]
+                launches[worker] = time.time()
                 _run(command, work, args)
                 results[worker] = json.loads(out.read_text())
             batch = results["baseline"]["batch_size"]
             measured = (
-                (hand, results["baseline"]["hand"]),
-                (data, results["baseline"]["data"]),
-                (bare, results["bare"]),
+                (hand, results["baseline"]["hand"], launches["baseline"]),
+                (data, results["baseline"]["data"], None),
+                (bare, results["bare"], launches["bare"]),
             )
-            for cell, numbers in measured:
+            for cell, numbers, launched in measured:
                 cell.samples_per_s.append(numbers["samples"] / numbers["seconds"])
                 cell.ms_per_step.append(1000 * numbers["seconds"] / numbers["steps"])
                 cell.per_device_batch = numbers["samples"] / numbers["steps"]
+                if launched is not None:
+                    cell.startup_s.append(numbers["first_step"] - launched)
             done += 1
             progress(
                 hand, repeat, f"{hand.samples_per_s[-1]:>10,.0f} samples/s (data alone {data.samples_per_s[-1]:,.0f})"
@@ -506,6 +555,7 @@ COLUMNS = [
     "speedup",
     "efficiency",
     "step_time_vs_hand",
+    "step_time_vs_bare",
     "startup_s",
     "repeats",
 ]
@@ -520,6 +570,7 @@ def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
         same = [c for c in cells if c.workload == cell.workload]
         single = next((c for c in same if c.strategy == "single"), None)
         hand = next(c for c in same if c.strategy == "hand-written")
+        bare = next(c for c in same if c.strategy == BARE)
         training = cell.strategy != "data pipeline"
         project_run = cell.strategy in ("single", "dp", "ddp")
         speedup = cell.throughput / single.throughput if single and project_run else None
@@ -534,11 +585,20 @@ def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
                 "speedup": round(speedup, 3) if speedup else None,
                 "efficiency": round(speedup / cell.devices, 3) if speedup else None,
                 "step_time_vs_hand": round(cell.step_ms / hand.step_ms, 3) if training else None,
+                "step_time_vs_bare": round(cell.step_ms / bare.step_ms, 3) if training else None,
                 "startup_s": round(cell.startup, 2) if cell.startup is not None else None,
                 "repeats": len(cell.samples_per_s),
             }
         )
     return rows
+
+
+def _paired(ours: list[float], theirs: list[float], how: str) -> str:
+    """The median of per-round ratios (or differences) and their range: rounds ran under the same load."""
+    pairs = [a / b if how == "/" else a - b for a, b in zip(ours, theirs, strict=True)]
+    spec = ".3f" if how == "/" else "+.2f"
+    middle = f"{statistics.median(pairs):{spec}}{'x' if how == '/' else ''}"
+    return middle if len(pairs) == 1 else f"{middle} (rounds {min(pairs):{spec}} to {max(pairs):{spec}})"
 
 
 def summary_lines(cells: list[Cell]) -> list[str]:
@@ -559,7 +619,10 @@ def summary_lines(cells: list[Cell]) -> list[str]:
             f"first training step {single.startup:.1f} s after `python -m {PACKAGE} fit` starts. "
             f"Lightning's loop alone (same LightningModule; no loggers, progress bar, checkpointing or callbacks) "
             f"takes {bare.step_ms / hand.step_ms:.2f}x ({bare.step_ms:.2f} ms): the project's defaults add "
-            f"{single.step_ms - bare.step_ms:+.2f} ms per step to it."
+            f"{single.step_ms - bare.step_ms:+.2f} ms per step to it; paired by round, the project's step takes "
+            f"{_paired(single.ms_per_step, bare.ms_per_step, '/')} bare Lightning's and its first step comes "
+            f"{_paired(single.startup_s, bare.startup_s, '-')} s later (bare Lightning and the hand-written loop are "
+            f"built by the project's command line, so its imports and parsing are in their start-up too)."
         )
     if imports is not None:
         parts = imports.import_seconds
@@ -598,14 +661,15 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], cells: list[Cell], se
             f"### {workload}",
             "",
             "| strategy | devices | batch/device | samples/s | ms/step | speed-up | efficiency "
-            "| step time vs hand-written | start-up s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| step time vs hand-written | step time vs bare | start-up s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in (r for r in rows if r["workload"] == workload):
             lines.append(
                 f"| {r['strategy']} | {r['devices']} | {fmt(r['batch_per_device'], 'g')} | "
                 f"{r['samples_per_s']:,.0f} | {r['ms_per_step']:.3f} | {fmt(r['speedup'], '.2f')} | "
-                f"{fmt(r['efficiency'], '.2f')} | {fmt(r['step_time_vs_hand'], '.2f')} | {fmt(r['startup_s'], '.1f')} |"
+                f"{fmt(r['efficiency'], '.2f')} | {fmt(r['step_time_vs_hand'], '.2f')} | "
+                f"{fmt(r['step_time_vs_bare'], '.3f')} | {fmt(r['startup_s'], '.2f')} |"
             )
         lines.append("")
     lines += summary_lines(cells)
@@ -713,7 +777,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--workload",
         action="append",
         choices=list(WORKLOADS),
-        help="built-in workloads to run when no --config is given (default: both)",
+        help="built-in workloads to run when no --config is given (default: mlp and example)",
     )
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run (default: the libraries' choice)")
     parser.add_argument(
@@ -752,11 +816,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             name = "+".join(c.stem for c in args.config)
             workloads = {name: [a for c in args.config for a in ("--config", str(c.resolve()))]}
         else:
-            mlp = work / "mlp.yaml"
+            mlp, conv = work / "mlp.yaml", work / "conv.yaml"
             mlp.write_text(MLP_WORKLOAD.format(package=PACKAGE, module=MODULE))
+            names = {**WORKLOADS}
+            names["conv"], text = conv_workload(torch.cuda.device_count())
+            conv.write_text(text)
             default = str(REPO / "configs" / "default.yaml")
-            configs = {"mlp": ["--config", default, "--config", str(mlp)], "example": ["--config", default]}
-            workloads = {WORKLOADS[key]: configs[key] for key in args.workload or WORKLOADS}
+            configs = {
+                "mlp": ["--config", default, "--config", str(mlp)],
+                "example": ["--config", default],
+                "conv": ["--config", default, "--config", str(conv)],
+            }
+            workloads = {names[key]: configs[key] for key in args.workload or DEFAULT_WORKLOADS}
         cells = run_matrix(args, workloads, work)
     rows = table_rows(cells)
     settings = f"{args.steps} timed steps after {args.warmup} warm-up steps, median of {args.repeats} fresh process(es)"

@@ -90,6 +90,71 @@ def test_benchmark_smoke_single_and_ddp_against_the_hand_written_loop(tmp_path: 
     _assert_png(out / "benchmark.png")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_benchmark_conv_workload_against_bare_lightning_and_the_hand_written_loop(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = _script(
+        "benchmark.py",
+        *("--workload", "conv", "--strategies", "single", "--steps", "1", "--warmup", "1", "--repeats", "1"),
+        *("--out", out),
+        cwd=tmp_path,
+        timeout=1100,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = {r["strategy"]: r for r in csv.DictReader((out / "benchmark.csv").open())}
+    assert set(rows) == {"hand-written", "bare Lightning", "data pipeline", "single"}
+    # The user's ResNet-8 in fp32 on the CPU, batch 256 in every row, the project next to bare Lightning per step.
+    assert {r["workload"] for r in rows.values()} == {"conv: ResNet-8 fp32, batch 256, synthetic 3x32x32"}
+    assert all(float(r["batch_per_device"]) == 256 for r in rows.values())
+    single, bare = rows["single"], rows["bare Lightning"]
+    assert float(single["step_time_vs_bare"]) == pytest.approx(
+        float(single["ms_per_step"]) / float(bare["ms_per_step"]), rel=0.01
+    )
+    # Start-up to the first step of all three in the same run.
+    assert all(0 < float(rows[name]["startup_s"]) < 600 for name in ("hand-written", "bare Lightning", "single"))
+    markdown = (out / "benchmark.md").read_text()
+    assert re.search(r"paired by round, the project's step takes \d+\.\d+x bare Lightning's", markdown), markdown
+
+
+def test_conv_workload_is_a_users_resnet_in_bf16_with_workers_on_a_gpu(tmp_path: Path) -> None:
+    import yaml
+
+    benchmark = _load("benchmark")
+    sys.path.insert(0, str(SCRIPTS))  # the child processes have scripts/ on PYTHONPATH: benchmark_user imports
+    try:
+        from benchmark_user import ResNet, SyntheticImages
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    gpu_name, gpu = benchmark.conv_workload(gpus=1)
+    cpu_name, cpu = benchmark.conv_workload(gpus=0)
+    assert "ResNet-18 bf16-mixed" in gpu_name and "ResNet-8 fp32" in cpu_name
+    gpu, cpu = yaml.safe_load(gpu), yaml.safe_load(cpu)
+    # As a GPU user sets it: bf16-mixed, batch 256, DataLoader workers and pinned memory; on the CPU, fp32.
+    assert gpu["trainer"]["precision"] == "bf16-mixed" and cpu["trainer"]["precision"] == "32-true"
+    assert gpu["data"]["init_args"] == {"batch_size": 256, "num_workers": 4, "pin_memory": True}
+    assert cpu["data"]["init_args"]["batch_size"] == 256 and cpu["data"]["init_args"]["pin_memory"] is False
+    assert gpu["model"]["net"]["class_path"] == "benchmark_user.ResNet"
+    assert gpu["data"]["class_path"] == "benchmark_user.SyntheticImages"
+    # The user's classes build from those arguments: ResNet-18 (11.2M parameters) and images of CIFAR's shape.
+    resnet18 = ResNet(SyntheticImages.input_shape, SyntheticImages.num_classes, **gpu["model"]["net"]["init_args"])
+    assert sum(p.numel() for p in resnet18.parameters()) == pytest.approx(11.2e6, rel=0.01)
+    data = SyntheticImages(num_samples=64, batch_size=16, num_workers=0, pin_memory=False)
+    data.setup("fit")
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == (16, 3, 32, 32) and x.dtype.is_floating_point and y.shape == (16,)
+    resnet8 = ResNet(SyntheticImages.input_shape, SyntheticImages.num_classes, **cpu["model"]["net"]["init_args"])
+    assert resnet8(x).shape == (16, 10)
+
+
+def test_benchmark_takes_the_gpu_check_options_for_conv() -> None:
+    args = _load("benchmark").parse_args(
+        ["--workload", "conv", "--strategies", "single", "--steps", "50", "--warmup", "10", "--repeats", "2"]
+        + ["--out", "results"]
+    )
+    assert (args.workload, args.strategies, args.steps, args.warmup, args.repeats) == (["conv"], ["single"], 50, 10, 2)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -147,11 +212,16 @@ def test_plot_metrics_explains_a_wrong_path(tmp_path: Path) -> None:
 def test_startup_compares_the_command_with_bare_lightning(tmp_path: Path) -> None:
     result = _script("startup.py", "--repeats", "1", cwd=tmp_path, timeout=840)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith(("| fit --help", "| command to first"))]
-    assert len(rows) == 2, result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| fit --help", "| first training"))]
+    # --help, then the first step with the example's classes and with a user's classes named by class_path, the
+    # latter against a bare Trainer and against Lightning's own LightningCLI.
+    assert len(rows) == 4 and all("a user's classes by class_path" in row for row in rows[2:]), result.stdout
+    assert [row.split("|")[2].strip() for row in rows[2:]] == ["bare Lightning Trainer.fit", "bare LightningCLI fit"]
     for row in rows:
-        ours, bare, ratio = (float(cell.split()[0]) for cell in row.split("|")[2:5])
+        ours, bare, ratio, difference = (float(cell.split()[0]) for cell in row.split("|")[3:7])
+        # One round: the round's ratio and difference are those of the two runs.
         assert 0 < ours < 600 and 0 < bare < 600 and ratio == pytest.approx(ours / bare, abs=0.01)
+        assert difference == pytest.approx(ours - bare, abs=0.01)
 
 
 def test_startup_refuses_no_repeats_in_one_line(capsys) -> None:  # noqa: ANN001
