@@ -12,12 +12,13 @@ set -uo pipefail
 
 PYTHON=${PYTHON:-python}
 # The GPU workload of scripts/benchmark.py, a few repeats: the project, bare Lightning and a hand-written loop.
-BENCHMARK=(--workload conv --strategies single --repeats 2 --steps 150 --warmup 20 --timeout 60)
+# One repeat: its 4 processes each import torch and Lightning (11-15 s apiece on the first GPU machine measured).
+BENCHMARK=(--workload conv --strategies single --repeats 1 --steps 150 --warmup 20 --timeout 60)
 PYTEST=(-q -p no:cacheprovider --tb=short)
-# Seconds per step (the environment may set them); the two test steps run side by side: at most 5 + 150 + 75 s.
+# Seconds per step (the environment may set them); the two test steps run side by side: at most 5 + 130 + 100 s.
 PREFLIGHT_S=${PREFLIGHT_S:-5}
-TESTS_S=${TESTS_S:-150}
-BENCHMARK_S=${BENCHMARK_S:-75}
+TESTS_S=${TESTS_S:-130}
+BENCHMARK_S=${BENCHMARK_S:-100}
 # module=what provides it, for the one line naming what an offline CUDA image lacks.
 REQUIRED=(torch=torch lightning=lightning torchmetrics=torchmetrics jsonargparse=jsonargparse
     docstring_parser=docstring-parser typeshed_client=typeshed-client yaml=PyYAML tensorboard=tensorboard

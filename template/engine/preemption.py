@@ -153,7 +153,10 @@ class Preemption(Callback):
             # A rank that Lightning's launcher started exits 0: the launching process reports the job's code, and
             # the launcher kills it the moment a child exits non-zero, before it has written the run's logs.
             exception.code = 0 if _started_by_lightnings_launcher(trainer) else 128 + self._stopping[0]
-        self._end()
+        if isinstance(exception, SIGTERMException):
+            self._end()
+        # A failing run (a rank died, the user's code raised) records signals until the command ends: the SIGTERM a
+        # launcher sends the surviving ranks must not replace the failure's own line with a stop's.
 
     def _end(self) -> None:
         """The run is over. Until the command ends (``restore_signal_handlers``) a signal ends the process at once,
