@@ -204,7 +204,7 @@ def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) 
     assert (project / package / digits).read_bytes() == (REPO / OLD / digits).read_bytes()
     assert (project / ".ci" / "run").stat().st_mode & stat.S_IXUSR
     workflow = yaml.safe_load((project / ".github" / "workflows" / "tests.yml").read_text())
-    assert "python -m pytest" in [step.get("run") for step in workflow["jobs"]["tests"]["steps"]]
+    assert "python -m pytest -n auto" in [step.get("run") for step in workflow["jobs"]["tests"]["steps"]]
     hooks = yaml.safe_load((project / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"]
     assert [hook["id"] for hook in hooks] == ["ruff-check", "ruff-format"]
     assert (project / ".gitignore").read_text() == (REPO / ".gitignore").read_text()
@@ -219,7 +219,7 @@ def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) 
     readme = (project / "README.md").read_text()
     assert readme.startswith("# Lightning Project\n")
     assert f"python -m {package} fit --config configs/default.yaml" in readme
-    assert 'pip install "torch==2.13.0" -e ".[dev]" && python -m pytest' in readme
+    assert 'pip install "torch==2.13.0" -e ".[dev]" && python -m pytest -n auto' in readme
     assert "strategy:" in readme and "cookiecutter" not in readme.lower()
     headings = [line for line in readme.splitlines() if line.startswith("## ")]
     assert headings[:2] == ["## Quickstart", "## Where to put your model and data"]
