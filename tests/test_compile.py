@@ -47,6 +47,7 @@ def _replica(module: torch.nn.Module) -> torch.nn.Module:
     return replica
 
 
+@pytest.mark.slow  # compiles the network on the CPU (about 10 s)
 def test_dp_replicas_run_compiled_code_on_their_own_weights() -> None:
     net = MLP((1, 8, 8), 10, dropout=0.0)
     net.compile()

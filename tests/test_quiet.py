@@ -45,7 +45,8 @@ def _noise(output: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("logger", ["default", "none"])
+# Without loggers the same paths run, less the loggers' own files: in the slow suite.
+@pytest.mark.parametrize("logger", ["default", pytest.param("none", marks=pytest.mark.slow)])
 def test_a_fit_and_its_resume_print_no_library_warning(run_cli, tmp_path: Path, logger: str) -> None:  # noqa: ANN001
     extra = ["--run.name=quiet", "--run.save_every_n_steps=2"]
     extra += ["--trainer.logger=false"] if logger == "none" else []
