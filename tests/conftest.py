@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -104,6 +105,17 @@ def finish(proc: subprocess.Popen, timeout: float, what: str = "the run") -> int
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         pytest.fail(f"{what} did not end within {timeout} s")
+
+
+def session_processes(sid: int) -> list[int]:
+    """PIDs of live (non-zombie) processes in session ``sid``: every process the job started stays in it."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(stat.parent.name))
+    return pids
 
 
 def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:

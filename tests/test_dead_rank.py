@@ -3,7 +3,6 @@ the rank, its signal, the checkpoint the same command continues from; exit code 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish
+from conftest import CONFIGS, PACKAGE, REPO, cli_env, finish, session_processes
 
 from template.engine import watchdog
 from template.engine.cli import main
@@ -83,16 +82,6 @@ def test_full_traceback_shows_the_exception_behind_an_error_line(
         assert err.splitlines()[-1].startswith("error: checkpoint 'missing.ckpt' does not exist"), err
 
 
-def _session_processes(sid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                pids.append(int(stat.parent.name))
-    return pids
-
-
 def _start(command: list[str], work: Path, env: dict[str, str]) -> tuple[int, str]:
     with (work / "run.log").open("w") as log:
         proc = subprocess.Popen(
@@ -102,8 +91,8 @@ def _start(command: list[str], work: Path, env: dict[str, str]) -> tuple[int, st
         code = finish(proc, WAIT)
     # The job's other ranks end with it; none is left behind in its session (rank 0's watching thread polls 5x/s).
     deadline = time.monotonic() + 5
-    while _session_processes(proc.pid):
-        assert time.monotonic() < deadline, f"processes of the job outlived it: {_session_processes(proc.pid)}"
+    while session_processes(proc.pid):
+        assert time.monotonic() < deadline, f"processes of the job outlived it: {session_processes(proc.pid)}"
         time.sleep(0.1)
     return code, (work / "run.log").read_text()
 

@@ -12,23 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CONFIGS, PACKAGE, cli_env
+from conftest import CONFIGS, PACKAGE, cli_env, session_processes
 
 pytestmark = pytest.mark.slow  # DDP jobs whose ranks fail, die or hang
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT = 15  # --watchdog.timeout here; it also bounds the rendezvous, so rank 1 must start within it
-
-
-def _session_processes(sid: int) -> list[int]:
-    """PIDs of live (non-zombie) processes in session ``sid``: every process the job started stays in it."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                pids.append(int(stat.parent.name))
-    return pids
 
 
 def _alive(pid: int) -> bool:
@@ -89,10 +78,10 @@ def test_failing_rank_ends_the_job(tmp_path: Path, mode: str, rank: int, kill_la
         pids = [int(p.read_text()) for p in sorted(record.glob("pid-rank*"))]
         assert len(pids) == 2
         deadline = time.monotonic() + 5  # the kernel may need a moment to reap a SIGKILLed process
-        while any(map(_alive, pids)) or _session_processes(job.pid):
+        while any(map(_alive, pids)) or session_processes(job.pid):
             assert time.monotonic() < deadline, (
                 f"processes of the job still running: ranks {[p for p in pids if _alive(p)]}, "
-                f"session {_session_processes(job.pid)}"
+                f"session {session_processes(job.pid)}"
             )
             time.sleep(0.1)
     finally:
