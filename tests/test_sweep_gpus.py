@@ -125,6 +125,7 @@ def _check_three_trials_on_one_gpu(tmp_path: Path, stdout: str, device: str, vis
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE", "COMPLETE"], stdout[-3000:]
     reason = trials[0].user_attrs["reason"]
     assert "OutOfMemoryError" in reason and "\n" not in reason, reason
+    assert reason.endswith("its traceback is in trial-0000.log"), reason
     # The first three ran at once: each started before any ended.
     assert max(t.user_attrs["started"] for t in trials[:3]) < min(t.user_attrs["ended"] for t in trials[:3])
     # The failure is one line of the sweep's progress; the trial's traceback stays in its own log.

@@ -377,7 +377,8 @@ def _reason(log: Path, code: int) -> str:
     lines = [line.rstrip() for line in text.splitlines()]
     for line in reversed(lines):
         if line.startswith("error:"):
-            return line[:300]
+            # Read in the sweep's table, where the traceback is not: it is in the trial's log.
+            return line.replace("its traceback follows", f"its traceback is in {log.name}")[:300]
     # Python prints a chain of exceptions root cause first.
     for line in lines:
         if _EXCEPTION.match(line):
