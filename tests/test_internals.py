@@ -392,3 +392,28 @@ def test_fsdp_helpers_do_what_model_parallel_strategy_does(tmp_path) -> None:  #
     wrapped(x).sum().backward()
     assert wrapped.state_dict().keys() == plain.state_dict().keys()
     assert torch.equal(wrapped[0]._checkpoint_wrapped_module.weight.grad, plain[0].weight.grad)
+
+
+def test_last_checkpoint_is_written_where_lightning_skipped_it(tmp_path: Path) -> None:
+    """Lightning 2.6's ModelCheckpoint writes last.ckpt only at a step that saved a top-k checkpoint; the engine's
+    subclass writes it at every validation (its private helpers are the ones internals names)."""
+    from template.engine.checkpoints import ModelCheckpoint
+
+    class Flat(BoringModel):
+        def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            self.log("score", 1.0)  # never improves
+
+    def fit(callback: Callback) -> dict:
+        trainer = Trainer(
+            default_root_dir=tmp_path, max_epochs=3, limit_train_batches=2, limit_val_batches=1, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(Flat())
+        return torch.load(Path(callback.dirpath) / "last.ckpt", weights_only=False)
+
+    kwargs = {"monitor": "score", "mode": "max", "save_last": True}
+    assert fit(ours := ModelCheckpoint(dirpath=tmp_path / "ours", **kwargs))["global_step"] == 6
+    assert ours.state_key.startswith("ModelCheckpoint{")  # the key checkpoints were written with
+    from lightning.pytorch.callbacks import ModelCheckpoint as Lightnings
+
+    assert fit(Lightnings(dirpath=tmp_path / "lightnings", **kwargs))["global_step"] == 2  # what the subclass fixes

@@ -68,8 +68,14 @@ def _start(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Pop
     log = (cwd / "run.log").open("a")
     return subprocess.Popen(
         command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal,
     )  # fmt: skip
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    # A suite started in the background (`cmd &` in a script) passes SIGINT on ignored, which the run then keeps
+    # ignored (as under nohup): the runs here get Ctrl-C as a terminal gives it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = WAIT) -> int:

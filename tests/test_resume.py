@@ -187,3 +187,16 @@ def test_sampler_generator_state_is_restored(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
     saved = torch.load(tmp_path / "b" / "epoch1.ckpt", weights_only=True)["callbacks"]["RNGStateCheckpoint"]
     assert saved["ranks"][0]["samplers"][0] is not None  # the loader's own generator was saved, not only global RNG
+
+
+def test_last_ckpt_holds_the_last_step_when_the_score_stops_improving(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    """A learning rate of 0: every validation scores the same, so no best-* checkpoint follows the first. Lightning
+    2.6 then stops writing last.ckpt; the finished run's last.ckpt must still be its end, which the same command
+    continues from (here: nothing more to train)."""
+    zero = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.lr=0", "--trainer.max_epochs=3", "--run.name=flat"]
+    done = run_cli(*FAST, *zero)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = tmp_path / "lightning_logs" / "flat" / "checkpoints"
+    assert [p.name.split("-")[1] for p in folder.glob("best-*.ckpt")] == ["0"], "a later validation scored higher"
+    last = torch.load(folder / "last.ckpt", weights_only=True)
+    assert (last["global_step"], last["epoch"]) == (24, 2), "last.ckpt is not the run's end"

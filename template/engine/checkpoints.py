@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from typing_extensions import override
 
 from template.engine.errors import ConfigError, one_line
-from template.engine.internals import SHARDED_METADATA
+from template.engine.internals import SHARDED_METADATA, save_last_where_skipped
 from template.engine.strategies.fsdp import is_fsdp
 
 # Lightning resolves these names itself instead of reading a file.
@@ -178,3 +181,20 @@ def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None
     warnings.filterwarnings(
         "ignore", message=rf"Checkpoint directory {re.escape(str(folder))} exists and is not empty\.$"
     )
+
+
+class ModelCheckpoint(LightningModelCheckpoint):
+    """Lightning's ModelCheckpoint (the ``checkpoint:`` section), whose ``save_last=True`` writes ``last.ckpt`` at
+    every validation again, as before Lightning 2.6: there it is written only where a top-k checkpoint is, so a run
+    whose score stopped improving ended with an old ``last.ckpt``, and a restart went back to it. The same class name
+    keeps the callback's state key, so checkpoints written before load as they were."""
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        save_last_where_skipped(self, trainer, at_epoch_end=False)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        save_last_where_skipped(self, trainer, at_epoch_end=True)

@@ -20,7 +20,6 @@ from typing import Any, NoReturn
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
@@ -75,7 +74,7 @@ EXAMPLE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # The callbacks configured in sections of their own (--checkpoint.monitor, --scaling.batch_size...), by section.
 CALLBACK_SECTIONS: dict[str, type[Callback]] = {
-    "checkpoint": ModelCheckpoint,
+    "checkpoint": checkpoints.ModelCheckpoint,
     "scaling": BatchScaling,
     "watchdog": HangWatchdog,
     "compile": CompileNetwork,

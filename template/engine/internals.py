@@ -121,6 +121,19 @@ def on_child_failure(handler: Callable[[], None]) -> bool:
     return bool(observers)
 
 
+def save_last_where_skipped(callback: Any, trainer: Trainer, at_epoch_end: bool) -> None:
+    """Write a ModelCheckpoint's ``last.ckpt`` at this save point (a validation's end, or the training epoch's end
+    when it saves there) where Lightning wrote nothing: since 2.6 ``save_last=True`` writes it only at a step where a
+    top-k checkpoint was saved, so once the monitored score stops improving ``last.ckpt`` stays behind."""
+    needed_for = "last.ckpt at every validation (checkpoints.ModelCheckpoint)"
+    names = ("_should_skip_saving_checkpoint", "_should_save_on_train_epoch_end", "_save_last_checkpoint")
+    skip, at_train_epoch_end, save_last = (_require(callback, name, "lightning", needed_for) for name in names)
+    monitor_candidates = _require(callback, "_monitor_candidates", "lightning", needed_for)
+    # Already saved at this step (a top-k checkpoint, and so last.ckpt): skip(trainer) says so.
+    if callback.save_last is True and not skip(trainer) and at_train_epoch_end(trainer) == at_epoch_end:
+        save_last(trainer, monitor_candidates(trainer))
+
+
 def cluster_environment(trainer: Trainer) -> Any:
     """The cluster environment (SLURM, torchrun, ...) the Trainer detected, also under a single-device strategy.
 
