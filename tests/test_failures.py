@@ -74,7 +74,9 @@ def test_failing_rank_ends_the_job(tmp_path: Path, mode: str, rank: int, kill_la
         label = f"{mode} on rank {rank}" + (", then rank 0 SIGKILLed" if kill_launcher else "")
         print(f"\n{label}: exit code {job.returncode}, {seconds:.1f} s from failure to job exit")
         assert job.returncode != 0
-        assert seconds <= TIMEOUT + 10, f"job took {seconds:.1f} s to end after the failure"
+        # The timeout, then Lightning's launcher sees a child's exit within 5 s (it polls) and gives rank 0 the
+        # watchdog's grace (3 s) to fail on its own before it reports the dead rank; a few seconds' margin.
+        assert seconds <= TIMEOUT + 15, f"job took {seconds:.1f} s to end after the failure"
         pids = [int(p.read_text()) for p in sorted(record.glob("pid-rank*"))]
         assert len(pids) == 2
         deadline = time.monotonic() + 5  # the kernel may need a moment to reap a SIGKILLed process

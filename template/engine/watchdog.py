@@ -44,7 +44,8 @@ class HangWatchdog(Callback):
             fails. It also bounds how long one rank may work alone while the others wait, e.g. a long
             ``prepare_data`` download on rank 0: raise it for such work.
         grace: seconds the launching process gives its child ranks to exit on their own after an error (not after
-            a timeout: then a rank is hung) before killing them.
+            a timeout: then a rank is hung) before killing them, and itself to fail on its own after a child rank
+            died before it reports that rank.
     """
 
     announcement = Mechanism(
@@ -132,7 +133,7 @@ class HangWatchdog(Callback):
         """Lightning's launcher saw a child exit non-zero (in its watching thread). This process fails at its next
         collective and reports the dead rank (``on_exception``); one that does not (busy, or NCCL waiting for the
         dead rank until the timeout) is ended here, with the same line."""
-        if _FAILING.wait(self.grace + 2):
+        if _FAILING.wait(self.grace):
             return
         children = launched_children(trainer) or []
         dead = _first_dead(trainer, children)
