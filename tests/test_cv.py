@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import CONFIGS, finish
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, TensorDataset
@@ -197,3 +198,101 @@ def test_three_folds_killed_mid_fold_continue_with_the_same_command_and_summaris
     assert finish(third, LIMIT, "the cv command a third time") == 0
     out = third.stdout.read()
     assert "starts" not in out and "continues" not in out and "val_acc" in out and "over 3 folds" in out, out[-2000:]
+
+
+# -- --cv.folds in a sweep: each trial a cross-validation --------------------------------------------------------------
+SWEEP_REFUSED = {
+    "folds < 2": (["--cv.folds=1"], "cv.folds=1: cross-validation needs at least 2 folds"),
+    "a cv option the sweep has itself": (
+        ["--cv.folds=3", "--cv.workers=2"],
+        "unknown argument(s) --cv.workers=2; in a sweep, cv takes folds and stratify only",
+    ),
+    "no protocol": (["--cv.folds=3", "--data=test_cv.NoProtocol"], "test_cv.NoProtocol cannot be cross-validated"),
+    "stratify without labels": (
+        ["--cv.folds=3", "--cv.stratify=true", "--data=test_cv.Unlabelled"],
+        "cv.stratify=true, but test_cv.Unlabelled gives fold_indices no labels",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SWEEP_REFUSED))
+def test_a_sweeps_fold_mistakes_are_one_line_before_anything_is_written(case: str, run_main, tmp_path: Path) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    args, expected = SWEEP_REFUSED[case]
+    done = run_main("sweep", "--config", CONFIGS / "sweep.yaml", *args)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "lightning_logs").exists()
+
+
+def test_a_sweep_does_not_mix_trials_scored_over_folds_with_single_fits(run_main, tmp_path: Path) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from test_sweep import LR, _journal, _sweep_args, _worker
+
+    folder = tmp_path / "lightning_logs" / "s"
+    folder.mkdir(parents=True)
+    _worker(_journal(folder, "study.journal"), {"model.optimizer.init_args.lr": yaml.safe_load(LR.split(": ", 1)[1])})
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    done = run_main(*_sweep_args(tmp_path), "--cv.folds=2")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "sweep 's' exists with another space (differs in: cv.folds)" in errors[0]
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LIMIT)
+def test_a_sweep_with_folds_scores_the_mean_prunes_between_folds_and_continues_after_a_kill(tmp_path: Path) -> None:
+    optuna = pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from test_sweep import PACED, TINY, _start, _study, _val_acc
+
+    (tmp_path / "paced.yaml").write_text(PACED)
+    lrs = [0.01, 0.003, 1.0e-6]  # in this order; the last learns nothing and is pruned after its first fold
+    (tmp_path / "s.yaml").write_text(
+        "sweep:\n  name: s\n  n_trials: 3\n  space:\n"
+        f"    model.optimizer.init_args.lr: {{type: categorical, choices: {lrs}}}\n"
+        f"  enqueue: {[{'model.optimizer.init_args.lr': lr} for lr in lrs]}\n"
+    )
+    args = ["sweep", "--config", CONFIGS / "default.yaml", "--config", tmp_path / "s.yaml", "--cv.folds=2", *TINY]
+    args += ["--config", tmp_path / "paced.yaml", "--trainer.max_epochs=2"]
+    folder = tmp_path / "lightning_logs" / "s"
+    driver = _start(args, tmp_path)
+    deadline = time.monotonic() + LIMIT
+    trial0 = folder / "trial-0000"
+    while not (trial0 / "fold-1" / "checkpoints" / "last.ckpt").is_file():  # killed in trial 0's second fold
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait(timeout=60)
+    again = _start(args, tmp_path)
+    assert finish(again, LIMIT, "the same sweep command") == 0
+    out = again.stdout.read()
+    assert f"trial 0 continues in {Path('lightning_logs/s/trial-0000/fold-1')}" in out, out[-3000:]
+    resumed = re.search(r"resuming from .*\(epoch \d+, step (\d+)\)", (trial0 / "fold-1.log").read_text())
+    assert resumed and int(resumed.group(1)) >= 4  # from its checkpoint
+    assert (trial0 / "fold-0.log").read_text().count("starting from the beginning") == 1  # not run again
+
+    trials = _study(folder).get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2 + [optuna.trial.TrialState.PRUNED]
+    for t in trials[:2]:  # each fold's best validation, their mean the trial's value, the running mean per fold
+        best = [max(_val_acc(folder / f"trial-{t.number:04d}" / f"fold-{k}")) for k in range(2)]
+        assert t.user_attrs["fold_scores"] == best
+        assert t.value == pytest.approx(sum(best) / 2)
+        assert t.intermediate_values == pytest.approx({0: best[0], 1: sum(best) / 2})
+    assert trials[2].user_attrs["fold_scores"] == [max(_val_acc(folder / "trial-0002" / "fold-0"))]
+    assert not (folder / "trial-0002" / "fold-1").exists()  # pruned before its second fold
+    # Each fold trained with its own fold of two; best.yaml trains the best values on the DataModule's own split.
+    for k in range(2):
+        config = yaml.safe_load((trial0 / f"fold-{k}" / "config.yaml").read_text())
+        assert (config["data"]["init_args"]["fold"], config["data"]["init_args"]["num_folds"]) == (k, 2)
+    best = yaml.safe_load((folder / "best.yaml").read_text())
+    assert best["data"]["init_args"]["fold"] is None and best["run"]["name"] is None
+    winner = max(trials[:2], key=lambda t: t.value).params["model.optimizer.init_args.lr"]
+    assert best["model"]["init_args"]["optimizer"]["init_args"]["lr"] == winner
+    with (folder / "trials.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(rows[0][f"fold {k}"]) for k in range(2)] == trials[0].user_attrs["fold_scores"]
+    assert float(rows[0]["std"]) == pytest.approx(torch.tensor(trials[0].user_attrs["fold_scores"]).std().item())
+    assert rows[2]["fold 1"] == rows[2]["std"] == "" and rows[2]["state"] == "pruned"

@@ -27,8 +27,8 @@ LOGS = "lightning_logs"
 # Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
 _INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-# A sweep's trials are runs one level down: <sweep name>/<trial>.
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+# A sweep's trials are runs one level down (<sweep name>/<trial>), their folds under --cv.folds two.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*){0,2}")
 
 
 class RunOptions:

@@ -19,9 +19,9 @@ def main(argv: list[str], command: str = "sweep") -> int:
         from template.engine.errors import ConfigError
 
         raise ConfigError(f"the {command} needs Optuna; install the extra: pip install -e '.[sweep]'") from None
-    from template.engine.sweep import cv, study
+    from template.engine.sweep import cv
 
-    return cv.run_cv(argv) if command == "cv" else study.run_sweep(argv)
+    return cv.run_cv(argv) if command == "cv" else cv.run_sweep(argv)
 
 
 def cv_main(argv: list[str]) -> int:

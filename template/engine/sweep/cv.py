@@ -1,7 +1,8 @@
 """``python -m template cv --config ... --cv.folds=5``: k-fold cross-validation, a study whose trials are the folds.
 
 Each fold is a trial queued with its ``data.fold``, run by the sweep's driver as a ``fit`` in ``<name>/fold-<k>/``:
-the folds get the sweep's restarts, workers, SLURM arrays and shared storages as they are.
+the folds get the sweep's restarts, workers, SLURM arrays and shared storages as they are. In a ``sweep``,
+``--cv.folds`` makes each trial a cross-validation instead (the driver runs its folds, see ``Driver``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ from optuna.trial import TrialState
 from template.engine import config_files, folds
 from template.engine.atomic import atomic_write
 from template.engine.errors import ConfigError, config_error_in
-from template.engine.sweep.driver import Driver
+from template.engine.sweep.driver import FOLD, Driver
 from template.engine.sweep.fitconfig import FitConfigs
-from template.engine.sweep.options import Command, Sweep, check, parse_section
+from template.engine.sweep.options import Command, Sweep, check, parse_command, parse_section
 from template.engine.sweep.reporter import REPORTS
 from template.engine.sweep.results import cell, format_table, pyplot, save_png, write_csv
 from template.engine.sweep.study import run_study
-
-FOLD = "data.fold"
 
 
 @dataclass
@@ -55,6 +54,20 @@ class CrossValidation:
     stratify: bool = False
 
 
+@dataclass
+class TrialFolds:
+    """The ``cv`` section of a ``sweep``: each trial a cross-validation, its value the mean over its folds.
+
+    Args:
+        folds: each trial's folds, run one after another, the pruner deciding after each on the running mean;
+            null: each trial is one fit on the DataModule's own split.
+        stratify: as ``cv.stratify``.
+    """
+
+    folds: int | None = None
+    stratify: bool = False
+
+
 class FoldDriver(Driver):
     label = "CV"
 
@@ -65,20 +78,12 @@ class FoldDriver(Driver):
 def run_cv(argv: list[str]) -> int:
     """Check everything, then run (or continue) the cross-validation; the exit code."""
     cv, fit_args = parse_section(argv, "cv", CrossValidation)
-    if cv.folds < 2:
-        raise ConfigError(f"cv.folds={cv.folds}: cross-validation needs at least 2 folds, e.g. --cv.folds=5")
     configs = FitConfigs(fit_args)
-    data = configs.complete({})["data"]["class_path"]
-    if not {"fold", "num_folds"} <= set(inspect.signature(pydoc.locate(data)).parameters):
-        raise ConfigError(
-            f"{data} cannot be cross-validated: its __init__ needs the arguments ({folds.PROTOCOL}) and a split by "
-            "template.engine.folds.fold_indices (see docs/cv.md)"
-        )
-    configs.fit_args.append(f"--data.num_folds={cv.folds}")
+    split = _prepare(configs, cv.folds, cv.stratify)
     base = configs.complete({})
     stems = "-".join(Path(path).stem for path in config_files.split(argv)[0]) or "cv"
     name = cv.name or f"{stems}-cv{cv.folds}-{hashlib.sha256(json.dumps(base).encode()).hexdigest()[:8]}"
-    print(f"CV {name}: {_check_split(base['data'], cv)}", flush=True)
+    print(f"CV {name}: {split}", flush=True)
     sweep = Sweep(
         name=name,
         space={FOLD: {"type": "categorical", "choices": list(range(cv.folds))}},
@@ -93,7 +98,35 @@ def run_cv(argv: list[str]) -> int:
     return run_study(Command(sweep, check(sweep), configs.fit_args), configs, FoldDriver, write_summary)
 
 
-def _check_split(data: dict[str, Any], cv: CrossValidation) -> str:
+def run_sweep(argv: list[str]) -> int:
+    """``sweep``, its trials each a cross-validation where ``--cv.folds`` is given; the exit code."""
+    command = parse_command(argv)
+    try:
+        cv, command.fit_args = parse_section(command.fit_args, "cv", TrialFolds)
+    except ConfigError as err:  # e.g. --cv.workers, which is sweep.workers here
+        raise ConfigError(f"{str(err).split(';')[0]}; in a sweep, cv takes folds and stratify only") from None
+    configs = FitConfigs(command.fit_args)
+    if cv.folds is not None:
+        command.folds = cv.folds
+        print(f"Sweep {command.sweep.name}: each trial {_prepare(configs, cv.folds, cv.stratify)}", flush=True)
+    return run_study(command, configs)
+
+
+def _prepare(configs: FitConfigs, k: int, stratify: bool) -> str:
+    """Refuse what cannot be split in ``k`` folds, set the DataModule's ``num_folds``; the split in words."""
+    if k < 2:
+        raise ConfigError(f"cv.folds={k}: cross-validation needs at least 2 folds, e.g. --cv.folds=5")
+    data = configs.complete({})["data"]["class_path"]
+    if not {"fold", "num_folds"} <= set(inspect.signature(pydoc.locate(data)).parameters):
+        raise ConfigError(
+            f"{data} cannot be cross-validated: its __init__ needs the arguments ({folds.PROTOCOL}) and a split by "
+            "template.engine.folds.fold_indices (see docs/cv.md)"
+        )
+    configs.fit_args.append(f"--data.num_folds={k}")
+    return _check_split(configs.complete({})["data"], k, stratify)
+
+
+def _check_split(data: dict[str, Any], k: int, stratify: bool) -> str:
     """Fold 0's DataModule, prepared and set up here before any fold starts: its split's refusals come first."""
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningDataModule, "data")
@@ -105,16 +138,16 @@ def _check_split(data: dict[str, Any], cv: CrossValidation) -> str:
         module.setup("fit")
     except Exception as err:
         if (cause := config_error_in(err)) is not None:
-            raise ConfigError(f"cv.folds={cv.folds}: {cause}") from None
+            raise ConfigError(f"cv.folds={k}: {cause}") from None
         raise
     stratified = folds.last_split.get("stratified")
-    if cv.stratify and not stratified:
+    if stratify and not stratified:
         raise ConfigError(
             f"cv.stratify=true, but {data['class_path']} gives fold_indices no labels; pass labels= to it, or drop "
             "cv.stratify for plain k-fold"
         )
     kind = {True: "stratified by label", False: "plain k-fold (no labels)", None: f"split by {data['class_path']}"}
-    return f"{cv.folds} folds of {folds.last_split.get('samples', 'its')} samples, {kind[stratified]}"
+    return f"{k} folds of {folds.last_split.get('samples', 'its')} samples, {kind[stratified]}"
 
 
 def write_summary(study: optuna.Study, folder: Path, objective: str) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +34,8 @@ _STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to 
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 _HELD_LOCKS: list[int] = []
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
+FOLD = "data.fold"  # the DataModule's fold (folds.PROTOCOL), set for each fold's run
+FOLD_SCORES = "fold_scores"  # with cv.folds: a trial's user attribute, the best objective of each fold it ran
 
 
 @dataclass
@@ -40,7 +43,7 @@ class Running:
     """One trial process and what the driver has read from it."""
 
     trial: optuna.trial.Trial
-    folder: str
+    folder: str  # its run folder in the sweep folder
     process: subprocess.Popen
     log: TextIO
     started: float
@@ -52,7 +55,12 @@ class Running:
 
 
 class Driver:
-    """Runs ``sweep.workers`` trials at once on one study until it holds ``n_trials`` finished ones."""
+    """Runs ``sweep.workers`` trials at once on one study until it holds ``n_trials`` finished ones.
+
+    With ``folds`` (``--cv.folds`` in a sweep) a trial is a cross-validation: its folds run one after another in its
+    worker slot, each a ``fit`` in ``<trial>/fold-<k>/``; after each, the mean of the folds' best values so far is
+    the trial's intermediate value at step k (what the pruner compares), and the mean over all folds its value.
+    """
 
     label = "Sweep"  # its lines on the console start with this and the study's name
 
@@ -66,6 +74,7 @@ class Driver:
         folder: Path,
         slots: list[str],
         gpus: dict[str, str] | None = None,
+        folds: int = 0,
     ) -> None:
         self.sweep, self.space, self.configs, self.storage, self.study = sweep, space, configs, storage, study
         self.study_id = storage.get_study_id_from_name(sweep.name)
@@ -74,6 +83,7 @@ class Driver:
         self.folder = folder
         self.slots = slots
         self.gpus = gpus or {}
+        self.folds = folds
         self.running: dict[str, Running] = {}
         self.failures_in_a_row = 0
         self.stop_signal: int | None = None
@@ -166,27 +176,32 @@ class Driver:
         trial.set_user_attr("folder", folder)
         self._beat(trial)
         params = dict(trial.params)
-        values = self.configs.complete(params, what=f"trial {trial.number}: ")
-        config = trial_config(values, f"{self.sweep.name}/{folder}", self.monitor, self.sweep.name, folder)
-        config_path = self.folder / f"{folder}.yaml"
+        run, values = folder, params
+        if self.folds:  # the first fold without a score: a restart continues it, or starts the next
+            fold = len(trial.user_attrs.get(FOLD_SCORES, []))
+            run, values = f"{folder}/fold-{fold}", {**params, FOLD: fold}
+            (self.folder / folder).mkdir(exist_ok=True)
+        config = self.configs.complete(values, what=f"trial {trial.number}: ")
+        config = trial_config(config, f"{self.sweep.name}/{run}", self.monitor, self.sweep.name, run)
+        config_path = self.folder / f"{run}.yaml"
         text = yaml.safe_dump(config, sort_keys=False)
         atomic_write(config_path, lambda f: f.write(text.encode()))
-        log = (self.folder / f"{folder}.log").open("a")
+        log = (self.folder / f"{run}.log").open("a")
         command = [sys.executable, "-m", __package__.split(".")[0], "fit", "--config", str(config_path)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # the trial is not a SLURM task
         if slot in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot]
         if self.sweep.gpu_memory_fraction is not None:
             env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
-        what = "continues" if "started" in trial.user_attrs else "starts"
+        what = "continues" if "started" in trial.user_attrs and (self.folder / run).is_dir() else "starts"
         trial.set_user_attr("started", time.time())  # before the process: a trial that may have run is no surplus
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_dies_with_us
         )
         reported = set(resumed.intermediate_values) if resumed is not None else set()
-        self.running[slot] = Running(trial, folder, process, log, time.monotonic(), reported)
+        self.running[slot] = Running(trial, run, process, log, time.monotonic(), reported)
         shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
-        print(f"{self.title}: trial {trial.number} {what} in {self.folder / folder} ({shown})", flush=True)
+        print(f"{self.title}: trial {trial.number} {what} in {self.folder / run} ({shown})", flush=True)
 
     # -- a running trial ---------------------------------------------------------------------------------------------
     def _poll(self, slot: str) -> None:
@@ -221,7 +236,7 @@ class Driver:
             if not math.isfinite(value):
                 self._end(running, f"{self.monitor} is {value} at step {step}")
                 return
-            if step in running.reported:
+            if step in running.reported or self.folds:  # with folds the trial reports per fold, not per validation
                 continue
             running.reported.add(step)
             running.trial.report(value, step)
@@ -239,14 +254,20 @@ class Driver:
         trial, seconds = running.trial, time.monotonic() - running.started
         trial.set_user_attr("seconds", round(seconds + float(_attr(self.study, trial, "seconds") or 0), 1))
         trial.set_user_attr("ended", time.time())
+        value = None
+        if running.ending is None and code == 0 and running.values:
+            value = (max if self.direction == "maximize" else min)(running.values.values())
+            if self.folds:
+                value = self._fold_ended(running, value)
+                if value is None and running.ending is None:
+                    return  # still running in the study, this worker's: _start_next runs its next fold
         if running.ending == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
             self.failures_in_a_row = 0
         elif running.ending is not None:
             self._fail(trial, running.ending)
-        elif code == 0 and running.values:
-            best = (max if self.direction == "maximize" else min)(running.values.values())
-            self.study.tell(trial, best)
+        elif value is not None:
+            self.study.tell(trial, value)
             self.failures_in_a_row = 0
         else:
             reason = _reason(self.folder / f"{running.folder}.log", code) if code else "no validation ran"
@@ -255,6 +276,21 @@ class Driver:
                 self._terminate_all("stopped")
                 raise ConfigError(reason.removeprefix("error: "))
         self._progress(trial.number)
+
+    def _fold_ended(self, running: Running, best: float) -> float | None:
+        """A fold's best value recorded and the running mean reported at step k; the mean once the last fold ended,
+        else None: the next fold runs unless the pruner stops the trial here."""
+        trial = running.trial
+        scores = [*trial.user_attrs.get(FOLD_SCORES, []), best]
+        trial.set_user_attr(FOLD_SCORES, scores)
+        mean = statistics.fmean(scores)
+        if len(scores) - 1 not in running.reported:  # a restart after the report
+            trial.report(mean, len(scores) - 1)
+        if len(scores) == self.folds:
+            return mean
+        if self.sweep.pruner != "none" and trial.should_prune():
+            running.ending = "pruned"
+        return None
 
     def _fail(self, trial: optuna.trial.Trial, reason: str) -> None:
         trial.set_user_attr("reason", reason)

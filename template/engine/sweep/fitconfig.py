@@ -80,9 +80,13 @@ def trial_config(config: dict[str, Any], run_name: str, monitor: str, sweep: str
 
 
 def reproduction(config: dict[str, Any]) -> dict[str, Any]:
-    """A trial's config as a plain fit: no reporter, a new run folder of its own."""
+    """A trial's config as a plain fit: no reporter, a new run folder of its own, the DataModule's own split (the
+    config of a trial's fold trains on all folds but one)."""
     config = json.loads(json.dumps(config))
     config.get("run", {})["name"] = None
+    data = config.get("data", {}).get("init_args") or {}
+    if "fold" in data:
+        data["fold"] = None
     trainer = config.get("trainer", {})
     callbacks = [c for c in trainer.get("callbacks") or [] if c.get("class_path") != REPORTER]
     trainer["callbacks"] = callbacks or None

@@ -94,6 +94,7 @@ class Command:
     sweep: Sweep
     space: list[Param]
     fit_args: list[str]
+    folds: int = 0  # cv.folds: each trial a cross-validation of this many folds
 
 
 def parse_command(argv: list[str]) -> Command:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import statistics
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import yaml
 from optuna.trial import TrialState
 
 from template.engine.atomic import atomic_write
+from template.engine.sweep.driver import FOLD_SCORES
 from template.engine.sweep.fitconfig import reproduction
 
 TABLE = "trials.csv"
@@ -20,15 +22,21 @@ BEST = "best.yaml"
 
 
 def write_results(study: optuna.Study, folder: Path, objective: str) -> None:
-    """Print the table of trials and write it, ``best.yaml`` and the PNG plots into the sweep folder."""
+    """Print the table of trials and write it, ``best.yaml`` and the PNG plots into the sweep folder.
+
+    With ``cv.folds`` the objective is each trial's mean over its folds, followed by each fold's and their standard
+    deviation (n - 1), as scikit-learn's ``cv_results_`` lists them."""
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
     keys = sorted({k for t in trials for k in t.params})
-    header = ["trial", *keys, objective, "state", "seconds", "folder", "reason"]
+    folds = max((len(t.user_attrs.get(FOLD_SCORES, [])) for t in trials), default=0)
+    scores = [f"fold {k}" for k in range(folds)] + (["std"] if folds else [])
+    header = ["trial", *keys, objective, *scores, "state", "seconds", "folder", "reason"]
     rows = [
         [
             t.number,
             *(t.params.get(k, "") for k in keys),
             "" if t.value is None else t.value,
+            *_fold_scores(t.user_attrs.get(FOLD_SCORES, []), folds),
             t.state.name.lower(),
             t.user_attrs.get("seconds", ""),
             str(folder / t.user_attrs.get("folder", "")),
@@ -42,13 +50,21 @@ def write_results(study: optuna.Study, folder: Path, objective: str) -> None:
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
         best = study.best_trial
-        config = yaml.safe_load((folder / f"{best.user_attrs['folder']}.yaml").read_text())
+        run = best.user_attrs["folder"] + ("/fold-0" if folds else "")  # reproduced without folds
+        config = yaml.safe_load((folder / f"{run}.yaml").read_text())
         text_best = yaml.safe_dump(reproduction(config), sort_keys=False)
         atomic_write(folder / BEST, lambda f: f.write(text_best.encode()))
         print(f"Best: trial {best.number}, {objective}={best.value:.6g}; reproduce it with")
         print(f"  python -m {__package__.split('.')[0]} fit --config {folder / BEST}")
     for name in _plots(study, folder):
         print(f"Plot: {folder / name}")
+
+
+def _fold_scores(scores: list[float], folds: int) -> list[Any]:
+    """A trial's fold columns: its folds' best values (a pruned trial's first ones), their std once all ran."""
+    if not folds:
+        return []
+    return [*scores, *[""] * (folds - len(scores)), statistics.stdev(scores) if len(scores) == folds else ""]
 
 
 def write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:

@@ -18,18 +18,12 @@ from template.engine.run import LOGS
 from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
 from template.engine.sweep.fitconfig import FitConfigs
-from template.engine.sweep.options import Command, Param, Sweep, parse_command
+from template.engine.sweep.options import Command, Param, Sweep
 from template.engine.sweep.results import write_results
 from template.engine.sweep.sampler import TrialSeeded
 
 JOURNAL = "study.journal"
 SPACE = "space"  # the study's user attribute that records sweep.space
-
-
-def run_sweep(argv: list[str]) -> int:
-    """Check everything, then run (or continue) the sweep; the exit code."""
-    command = parse_command(argv)
-    return run_study(command, FitConfigs(command.fit_args))
 
 
 def run_study(
@@ -54,17 +48,17 @@ def run_study(
     folder = root / LOGS / sweep.name
     storage = open_storage(sweep.storage, folder)
     if storage is not None:
-        check_space(storage, sweep.name, command.space)
+        check_space(storage, sweep.name, command.space, command.folds)
     folder.mkdir(parents=True, exist_ok=True)
     storage = storage or _journal(folder / JOURNAL)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     slots = claim_slots(folder, sweep.workers)
-    study = open_study(sweep, command.space, storage)
+    study = open_study(sweep, command.space, storage, command.folds)
     if sweep.enqueue and not study.get_trials(deepcopy=False):
         for values in sweep.enqueue:
             study.enqueue_trial(values)
     gpus = slot_gpus(base.get("trainer", {}), slots, sweep.trials_per_gpu)
-    code = driver(sweep, command.space, configs, storage, study, folder, slots, gpus).run()
+    code = driver(sweep, command.space, configs, storage, study, folder, slots, gpus, command.folds).run()
     if code == 0:
         results(study, folder, sweep.objective)
         print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {_dashboard_url(sweep.storage, folder)}")
@@ -119,7 +113,7 @@ def _dashboard_url(url: str | None, folder: Path) -> str:
     return _without_password(url) if url else str(folder / JOURNAL)
 
 
-def open_study(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseStorage) -> optuna.Study:
+def open_study(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseStorage, folds: int = 0) -> optuna.Study:
     """The sweep's study, created or loaded; it records its space (``check_space`` compares the next command's)."""
     study = optuna.create_study(
         storage=storage,
@@ -130,7 +124,7 @@ def open_study(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseSt
         load_if_exists=True,
     )
     if SPACE not in study.user_attrs:
-        study.set_user_attr(SPACE, _space(space))
+        study.set_user_attr(SPACE, _space(space, folds))
     return study
 
 
@@ -140,7 +134,7 @@ def _sampler(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseStor
     return TrialSeeded(storage, sweep.name, distributions, sweep.sampler, sweep.seed, startup)
 
 
-def check_space(storage: optuna.storages.BaseStorage, name: str, space: list[Param]) -> None:
+def check_space(storage: optuna.storages.BaseStorage, name: str, space: list[Param], folds: int = 0) -> None:
     """Refuse to continue a study with another search space: its trials would mix two searches."""
     try:
         recorded = storage.get_study_user_attrs(storage.get_study_id_from_name(name)).get(SPACE)
@@ -148,7 +142,7 @@ def check_space(storage: optuna.storages.BaseStorage, name: str, space: list[Par
         return
     if recorded is None:  # a study from before the space was recorded
         return
-    given = _space(space)
+    given = _space(space, folds)
     differ = sorted(k for k in {*recorded, *given} if recorded.get(k) != given.get(k))
     if differ:
         raise ConfigError(
@@ -157,9 +151,11 @@ def check_space(storage: optuna.storages.BaseStorage, name: str, space: list[Par
         )
 
 
-def _space(space: list[Param]) -> dict[str, Any]:
-    """The space as the study records it (JSON), every field filled in, so that equal spaces compare equal."""
-    return json.loads(json.dumps({p.key: {k: v for k, v in asdict(p).items() if k != "key"} for p in space}))
+def _space(space: list[Param], folds: int) -> dict[str, Any]:
+    """The space as the study records it (JSON), every field filled in, so that equal spaces compare equal; with
+    ``cv.folds``, that too (trials scored over folds do not mix with others)."""
+    recorded = {p.key: {k: v for k, v in asdict(p).items() if k != "key"} for p in space}
+    return json.loads(json.dumps({**recorded, **({"cv.folds": folds} if folds else {})}))
 
 
 def _journal(path: Path) -> optuna.storages.JournalStorage:
