@@ -1,5 +1,6 @@
 """Cross-validation: the split helper's folds (stratified, disjoint, seeded, the test split outside), the command's
-refusals in one line before anything is written, and a cv of three folds killed and continued by the same command."""
+refusals in one line before anything is written, a cv of three folds killed and continued by the same command, and a
+sweep whose trials are each a cross-validation (scored by the mean, pruned between folds, continued after a kill)."""
 
 from __future__ import annotations
 
@@ -138,11 +139,23 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("case", list(REFUSED))
-def test_mistakes_are_one_line_before_anything_is_written(case: str, run_main, tmp_path: Path) -> None:
+# The same mistakes in a sweep with --cv.folds (its trials each a cross-validation), and one of its own.
+SWEEP_REFUSED = {
+    **{case: REFUSED[case] for case in ("folds < 2", "stratify without labels", "no protocol")},
+    "a cv option the sweep has itself": (
+        ["--cv.folds=3", "--cv.workers=2"],
+        "unknown argument(s) --cv.workers=2; in a sweep, cv takes folds and stratify only",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "case"), [*(("cv", case) for case in REFUSED), *(("sweep", case) for case in SWEEP_REFUSED)]
+)
+def test_mistakes_are_one_line_before_anything_is_written(command: str, case: str, run_main, tmp_path: Path) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
-    args, expected = REFUSED[case]
-    done = run_main("cv", "--config", CONFIGS / "default.yaml", *args)
+    args, expected = (REFUSED if command == "cv" else SWEEP_REFUSED)[case]
+    done = run_main(command, "--config", CONFIGS / f"{'default' if command == 'cv' else 'sweep'}.yaml", *args)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert len(errors) == 1 and expected in errors[0], done.stderr[-2000:]
@@ -201,32 +214,6 @@ def test_three_folds_killed_mid_fold_continue_with_the_same_command_and_summaris
 
 
 # -- --cv.folds in a sweep: each trial a cross-validation --------------------------------------------------------------
-SWEEP_REFUSED = {
-    "folds < 2": (["--cv.folds=1"], "cv.folds=1: cross-validation needs at least 2 folds"),
-    "a cv option the sweep has itself": (
-        ["--cv.folds=3", "--cv.workers=2"],
-        "unknown argument(s) --cv.workers=2; in a sweep, cv takes folds and stratify only",
-    ),
-    "no protocol": (["--cv.folds=3", "--data=test_cv.NoProtocol"], "test_cv.NoProtocol cannot be cross-validated"),
-    "stratify without labels": (
-        ["--cv.folds=3", "--cv.stratify=true", "--data=test_cv.Unlabelled"],
-        "cv.stratify=true, but test_cv.Unlabelled gives fold_indices no labels",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(SWEEP_REFUSED))
-def test_a_sweeps_fold_mistakes_are_one_line_before_anything_is_written(case: str, run_main, tmp_path: Path) -> None:
-    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
-    args, expected = SWEEP_REFUSED[case]
-    done = run_main("sweep", "--config", CONFIGS / "sweep.yaml", *args)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    assert len(errors) == 1 and expected in errors[0], done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    assert not (tmp_path / "lightning_logs").exists()
-
-
 def test_a_sweep_does_not_mix_trials_scored_over_folds_with_single_fits(run_main, tmp_path: Path) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     from test_sweep import LR, _journal, _sweep_args, _worker
