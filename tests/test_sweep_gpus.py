@@ -86,9 +86,9 @@ def test_the_memory_cap_reaches_the_cuda_devices_of_the_process_only(monkeypatch
     reporter = ObjectiveReporter("val_acc")
     cpu = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     cuda = [torch.device("cuda", i) for i in range(2)]
-    one = SimpleNamespace(world_size=1, strategy=SimpleNamespace(root_device=cuda[0]))
-    ddp_rank_1 = SimpleNamespace(world_size=2, strategy=SimpleNamespace(root_device=cuda[1], parallel_devices=cuda))
-    dp = SimpleNamespace(world_size=1, strategy=SimpleNamespace(root_device=cuda[0], parallel_devices=cuda))
+    one = SimpleNamespace(strategy=SimpleNamespace(world_size=1, root_device=cuda[0]))
+    ddp_rank_1 = SimpleNamespace(strategy=SimpleNamespace(world_size=2, root_device=cuda[1], parallel_devices=cuda))
+    dp = SimpleNamespace(strategy=SimpleNamespace(world_size=1, root_device=cuda[0], parallel_devices=cuda))
     reporter.setup(one, None, "fit")  # no fraction given: nothing
     monkeypatch.setenv(MEMORY_FRACTION, "0.3")
     reporter.setup(cpu, None, "fit")  # a CPU run never touches CUDA

@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from template.engine.errors import ConfigError
+from template.engine.gpus import process_devices
 
 REPORTS = "objective.jsonl"
 NOT_LOGGED = "the sweep's objective"
@@ -34,11 +35,7 @@ class ObjectiveReporter(Callback):
         fraction = os.environ.get(MEMORY_FRACTION)
         if not fraction:
             return
-        strategy = trainer.strategy
-        devices = [strategy.root_device]
-        if trainer.world_size == 1:  # under dp the one process drives every device it was given
-            devices = getattr(strategy, "parallel_devices", None) or devices
-        for device in devices:
+        for device in process_devices(trainer.strategy):
             if device.type == "cuda":  # a CPU run never touches CUDA
                 torch.cuda.set_per_process_memory_fraction(float(fraction), device)
 
