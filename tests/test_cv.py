@@ -188,7 +188,7 @@ def test_three_folds_killed_mid_fold_continue_with_the_same_command_and_summaris
     again = _start(args, tmp_path)
     assert finish(again, LIMIT, "the same cv command") == 0
     out = again.stdout.read()
-    assert "trial 1 continues" in out and "fold-2" in out, out[-3000:]
+    assert "fold 1 continues" in out and "fold-2" in out, out[-3000:]
     log = (folder / "fold-1.log").read_text()
     resumed = re.search(r"resuming from .*\(epoch \d+, step (\d+)\)", log)
     assert resumed and int(resumed.group(1)) >= 4, log[-2000:]  # from its checkpoint, not from step 0
@@ -211,6 +211,21 @@ def test_three_folds_killed_mid_fold_continue_with_the_same_command_and_summaris
     assert finish(third, LIMIT, "the cv command a third time") == 0
     out = third.stdout.read()
     assert "starts" not in out and "continues" not in out and "val_acc" in out and "over 3 folds" in out, out[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LIMIT)
+def test_a_failing_fold_stops_the_cv_with_its_one_line_reason(tmp_path: Path, run_cli) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from test_sweep import TINY
+
+    args = ["cv", "--config", CONFIGS / "default.yaml", "--cv.folds=2", "--cv.name=c", *TINY]
+    done = run_cli(*args, "--model.net.init_args.dropout=2.0", timeout=LIMIT)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert errors[0].startswith("error: fold 0: ") and "dropout probability has to be between 0 and 1" in errors[0]
+    assert errors[0].endswith("fix it and run the same command") and "max_failures" not in errors[0], errors[0]
+    assert not (tmp_path / "lightning_logs" / "c" / "fold-1").exists()  # the cv stopped at its first failure
 
 
 # -- --cv.folds in a sweep: each trial a cross-validation --------------------------------------------------------------

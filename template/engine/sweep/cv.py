@@ -74,6 +74,9 @@ class FoldDriver(Driver):
     def trial_folder(self, trial: optuna.trial.Trial) -> str:
         return f"fold-{trial.params[FOLD]}"
 
+    def who(self, trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> str:
+        return f"fold {trial.params.get(FOLD, '?')}"
+
 
 def run_cv(argv: list[str]) -> int:
     """Check everything, then run (or continue) the cross-validation; the exit code."""

@@ -101,11 +101,10 @@ class Driver:
                 return self._stop()
             if self.failures_in_a_row >= self.sweep.max_failures:
                 self._terminate_all("failed")
-                print(
-                    f"error: {self.failures_in_a_row} trials failed in a row (sweep.max_failures="
-                    f"{self.sweep.max_failures}); the last: {self._last_failure()}; fix it and run the same command",
-                    file=sys.stderr,
-                )
+                many = f"{self.failures_in_a_row} trials failed in a row (sweep.max_failures={self.sweep.max_failures})"
+                last = self._last_failure()
+                reason = f"{many}; the last: {last}" if self.sweep.max_failures > 1 else last.replace(": error:", ":")
+                print(f"error: {reason}; fix it and run the same command", file=sys.stderr)
                 return 1
             if time.monotonic() - last_stale_check > self.sweep.heartbeat:
                 last_stale_check = time.monotonic()
@@ -169,6 +168,10 @@ class Driver:
         """The folder of a new trial, its values chosen."""
         return f"trial-{trial.number:04d}"
 
+    def who(self, trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> str:
+        """The trial as the console names it."""
+        return f"trial {trial.number}"
+
     def _launch(self, slot: str, trial: optuna.trial.Trial, resumed: optuna.trial.FrozenTrial | None) -> None:
         for param in self.space:
             _suggest(trial, param)  # values it has are kept; the sampler chooses the others (all, for a new trial)
@@ -201,7 +204,7 @@ class Driver:
         reported = set(resumed.intermediate_values) if resumed is not None else set()
         self.running[slot] = Running(trial, run, process, log, time.monotonic(), reported)
         shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
-        print(f"{self.title}: trial {trial.number} {what} in {self.folder / run} ({shown})", flush=True)
+        print(f"{self.title}: {self.who(trial)} {what} in {self.folder / run} ({shown})", flush=True)
 
     # -- a running trial ---------------------------------------------------------------------------------------------
     def _poll(self, slot: str) -> None:
@@ -341,15 +344,15 @@ class Driver:
         score = f"{self.monitor}={frozen.value:.6g}" if frozen.value is not None else reason
         best = ""
         with contextlib.suppress(ValueError):
-            best = f"; best {self.monitor}={self.study.best_value:.6g} (trial {self.study.best_trial.number})"
+            best = f"; best {self.monitor}={self.study.best_value:.6g} ({self.who(self.study.best_trial)})"
         state = frozen.state.name.lower()
-        print(f"{self.title}: {done}/{self.sweep.n_trials} finished; trial {number} {state} ({score}){best}")
+        print(f"{self.title}: {done}/{self.sweep.n_trials} finished; {self.who(frozen)} {state} ({score}){best}")
         sys.stdout.flush()
 
     def _last_failure(self) -> str:
         trials = self.study.get_trials(deepcopy=False)
         failed = [t for t in trials if t.state == TrialState.FAIL and "reason" in t.user_attrs]
-        return f"trial {failed[-1].number}: {failed[-1].user_attrs['reason']}" if failed else "?"
+        return f"{self.who(failed[-1])}: {failed[-1].user_attrs['reason']}" if failed else "?"
 
     def _terminate_all(self, why: str | None) -> None:
         """Stop every trial between two steps and wait for it; ``why`` None leaves them running in the study."""
