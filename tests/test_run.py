@@ -22,6 +22,7 @@ from template.engine.run import claim, continue_run, release, run_name
     "configured,environ,expected",
     [
         ("exp-1", {"SLURM_JOB_ID": "5"}, "exp-1"),  # the configured name wins over the scheduler's
+        ("s/trial-0003/fold-1", {}, "s/trial-0003/fold-1"),  # a fold of a sweep's trial (sweep --cv.folds)
         (None, {"SLURM_JOB_ID": "5", "SLURM_JOB_NAME": "train"}, "slurm-5"),
         (None, {"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "2"}, "slurm-6_2"),
         (None, {"SLURM_JOB_ID": "5", "SLURM_JOB_NAME": "bash"}, None),  # an interactive allocation is no run
@@ -34,7 +35,7 @@ def test_run_name(configured: str | None, environ: dict[str, str], expected: str
     assert run_name(configured, environ) == expected
 
 
-@pytest.mark.parametrize("bad", ["../x", "a/b/c", "a/", "a/..", "..", "", "-x"])
+@pytest.mark.parametrize("bad", ["../x", "a/b/c/d", "a/", "a/..", "..", "", "-x"])
 def test_a_run_name_that_is_not_a_folder_name_is_one_line(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"run.name=.* is not a folder name; use letters, digits"):
         run_name(bad, {})
