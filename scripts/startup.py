@@ -2,10 +2,11 @@
 
 Each measurement runs the project's command and a bare Lightning script over the same model, data, packages and
 work (the sanity check, the model summary, CSV and TensorBoard logs, checkpointing, the progress bar), one after
-the other (alternated, so that a busy machine slows both alike), ``--repeats`` rounds. The first step is measured
-twice: with the example's classes, and with a user's network, DataModule and callback named by ``class_path`` on
-the command line (scripts/benchmark_user.py). It prints the medians, and the ratio and difference within each
-round (their median and range: a shared machine's load changes between rounds, not within one), as Markdown:
+the other (alternated, each round in the other order, so that a busy machine slows all alike), ``--repeats``
+rounds. The first step is measured twice: with the example's classes, and with a user's network, DataModule and
+callback named by ``class_path`` on the command line (scripts/benchmark_user.py). It prints the medians, and the
+ratio and difference within each round (their median and range: a shared machine's load changes between rounds,
+not within one), as Markdown:
 
     python scripts/startup.py --repeats 5
 """
@@ -111,6 +112,9 @@ def measure(args: list[str], work: Path, timeout: float) -> tuple[float, float]:
     changes less than the wall clock."""
     path = [str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), "PYTHONWARNINGS": "ignore"}
+    # Python's default, as a user runs: modules compiled once and cached (the warm-up run writes the cache). With
+    # PYTHONDONTWRITEBYTECODE set every start compiles the modules outside site-packages (the engine's: ~40 ms).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     done = subprocess.run(
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             seconds: dict[str, list[float]] = {name: [] for name in commands}
             cpu: dict[str, list[float]] = {name: [] for name in commands}
             for round_ in range(args.repeats):
-                for name, command in commands.items():
+                # Each round in the other order: no command always runs first, or always after the same one.
+                for name, command in list(commands.items())[:: 1 if round_ % 2 == 0 else -1]:
                     wall, used = measure(command, work, args.timeout)
                     seconds[name].append(wall)
                     cpu[name].append(used)

@@ -143,6 +143,35 @@ def test_stacked_configs_and_overrides(run_cli, tmp_path):
     assert saved["model"]["init_args"]["net"]["class_path"] == f"{PACKAGE}.nets.ConvNet"
 
 
+def test_a_run_validates_its_config_once(run_main, tmp_path, monkeypatch):
+    # Start-up: the parse validates the config; the hyper-parameters' dump and config.yaml's do not validate it again.
+    import jsonargparse
+
+    from template.engine.cli import PROGRAM
+
+    validations = []
+    validate = jsonargparse.ArgumentParser.validate
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.prog.startswith(PROGRAM):  # the command line's parser and its subcommand's, not a class's
+            validations.append(self.prog)
+        return validate(self, *args, **kwargs)
+
+    monkeypatch.setattr(jsonargparse.ArgumentParser, "validate", counted)
+    result = run_main(
+        "fit", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=cpu", "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert validations == [PROGRAM, f"{PROGRAM} [options] fit"]
+    run_dir = tmp_path / "lightning_logs/version_0"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    # What the dumps wrote: config.yaml without the linked values, the hyper-parameters with them.
+    assert saved["checkpoint"]["monitor"] == "val_acc" and "num_classes" not in saved["model"]["init_args"]
+    hparams = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=False)["hyper_parameters"]
+    assert hparams["num_classes"] == 10 and hparams["net"]["init_args"]["input_shape"] == [1, 8, 8]
+
+
 @pytest.mark.slow
 def test_console_script_is_installed():
     script = shutil.which(PACKAGE, path=str(Path(sys.executable).parent))
