@@ -229,6 +229,12 @@ def test_a_failing_fold_stops_the_cv_with_its_one_line_reason(tmp_path: Path, ru
 
 
 # -- --cv.folds in a sweep: each trial a cross-validation --------------------------------------------------------------
+def test_the_sweeps_help_names_cv_folds(run_main) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    done = run_main("sweep", "--help")
+    assert done.returncode == 0 and "--cv.folds=k (or a cv: section): each trial a k-fold" in done.stdout
+
+
 def test_a_sweep_does_not_mix_trials_scored_over_folds_with_single_fits(run_main, tmp_path: Path) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     from test_sweep import LR, _journal, _sweep_args, _worker

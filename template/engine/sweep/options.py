@@ -100,15 +100,19 @@ class Command:
 def parse_command(argv: list[str]) -> Command:
     """Read the ``sweep:`` section of the ``--config`` files and the ``--sweep.*`` options; the rest is the fit's."""
     missing = "no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml"
-    sweep, fit_args = parse_section(argv, "sweep", Sweep, missing)
+    folds = "\n--cv.folds=k (or a cv: section): each trial a k-fold cross-validation, scored by the mean\n"
+    sweep, fit_args = parse_section(argv, "sweep", Sweep, missing, folds)
     return Command(sweep, check(sweep), fit_args)
 
 
-def parse_section(argv: list[str], name: str, options: type, missing: str | None = None) -> tuple[Any, list[str]]:
+def parse_section(
+    argv: list[str], name: str, options: type, missing: str | None = None, more_help: str = ""
+) -> tuple[Any, list[str]]:
     """``options`` from the ``name:`` sections of the ``--config`` files and ``--<name>.*``, and the fit's arguments;
     ``missing``, if given, is the error where neither sets any."""
     if "-h" in argv or "--help" in argv:
         _parser(name, options).print_help()
+        print(more_help, end="")
         print(f"\nEvery other option is fit's: {_parser(name, options).prog.rsplit(' ', 1)[0]} fit --help")
         raise SystemExit(0)
     configs, rest = config_files.split(argv)
