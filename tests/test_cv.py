@@ -254,6 +254,7 @@ def test_a_sweep_does_not_mix_trials_scored_over_folds_with_single_fits(run_main
 @pytest.mark.timeout(3 * LIMIT)
 def test_a_sweep_with_folds_scores_the_mean_prunes_between_folds_and_continues_after_a_kill(tmp_path: Path) -> None:
     optuna = pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from test_exact_resume import _differences, _training_state
     from test_sweep import PACED, TINY, _start, _study, _val_acc
 
     (tmp_path / "paced.yaml").write_text(PACED)
@@ -282,6 +283,14 @@ def test_a_sweep_with_folds_scores_the_mean_prunes_between_folds_and_continues_a
     assert resumed and int(resumed.group(1)) >= 4  # from its checkpoint
     assert (trial0 / "fold-0.log").read_text().count("starting from the beginning") == 1  # not run again
 
+    # The killed fold ended exactly where its fit run without a stop ends: weights, optimizer and RNG bit for bit.
+    alone = _start(["fit", "--config", trial0 / "fold-1.yaml", "--run.name=alone"], tmp_path)
+    assert finish(alone, LIMIT, "fold 1 without a stop") == 0, alone.stdout.read()[-3000:]
+    ends = [
+        torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+        for run in (trial0 / "fold-1", folder.parent / "alone")
+    ]
+    assert _differences(*map(_training_state, ends)) == []
     trials = _study(folder).get_trials(deepcopy=False)
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2 + [optuna.trial.TrialState.PRUNED]
     for t in trials[:2]:  # each fold's best validation, their mean the trial's value, the running mean per fold
