@@ -313,3 +313,39 @@ def test_a_sweep_with_folds_scores_the_mean_prunes_between_folds_and_continues_a
     assert [float(rows[0][f"fold {k}"]) for k in range(2)] == trials[0].user_attrs["fold_scores"]
     assert float(rows[0]["std"]) == pytest.approx(torch.tensor(trials[0].user_attrs["fold_scores"]).std().item())
     assert rows[2]["fold 1"] == rows[2]["std"] == "" and rows[2]["state"] == "pruned"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LIMIT)
+def test_a_trial_whose_worker_died_elsewhere_is_retried_from_its_first_fold_without_a_score(tmp_path: Path) -> None:
+    optuna = pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from test_sweep import _start, _study, _sweep_args, _val_acc
+
+    args = [*_sweep_args(tmp_path, n_trials=1, extra="  pruner: none\n  heartbeat: 1\n"), "--cv.folds=2"]
+    folder = tmp_path / "lightning_logs" / "s"
+    driver = _start(args, tmp_path)
+    deadline = time.monotonic() + LIMIT
+    while not (folder / "trial-0000" / "fold-1.yaml").is_file():  # fold 0 recorded, fold 1 about to start
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()[-3000:]
+        time.sleep(0.05)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait(timeout=60)
+    # As if that worker ran on another machine: this one does not take the trial up as its own, but waits for its
+    # heartbeat to go silent, fails it and asks the same values again.
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / "study.journal")))
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name("s"), 0)
+    assert storage.get_trial(trial_id).user_attrs["fold_scores"]  # fold 0 ended and was recorded
+    storage.set_trial_user_attr(trial_id, "worker", "elsewhere.0")
+    again = _start(args, tmp_path)
+    assert finish(again, LIMIT, "the same sweep command") == 0
+    out = again.stdout.read()
+    trials = _study(folder).get_trials(deepcopy=False)
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"], out[-3000:]
+    assert trials[0].user_attrs["reason"] == "worker elsewhere.0 stopped"
+    retry = trials[1]
+    assert retry.params == trials[0].params
+    assert (retry.user_attrs["folder"], retry.user_attrs["retry_of"]) == ("trial-0000", 0)
+    # Fold 0 is not run again: its score is carried over, and only fold 1 trained in the retry.
+    best = [max(_val_acc(folder / "trial-0000" / f"fold-{k}")) for k in range(2)]
+    assert retry.user_attrs["fold_scores"] == best and retry.value == pytest.approx(sum(best) / 2)
+    assert "resuming from" not in (folder / "trial-0000" / "fold-0.log").read_text()

@@ -323,11 +323,8 @@ class Driver:
             except (RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
                 continue  # another worker failed it first
             if t.params:  # else it never started: the next trial asked replaces it
-                self.study.enqueue_trial(
-                    t.params,
-                    user_attrs={"folder": t.user_attrs.get("folder"), "retry_of": t.number},
-                    skip_if_exists=False,
-                )
+                kept = {k: t.user_attrs[k] for k in ("folder", FOLD_SCORES) if k in t.user_attrs}  # its ended folds
+                self.study.enqueue_trial(t.params, user_attrs={**kept, "retry_of": t.number}, skip_if_exists=False)
 
     def _id(self, trial: optuna.trial.FrozenTrial) -> int:
         return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
