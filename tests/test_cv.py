@@ -349,3 +349,37 @@ def test_a_trial_whose_worker_died_elsewhere_is_retried_from_its_first_fold_with
     best = [max(_val_acc(folder / "trial-0000" / f"fold-{k}")) for k in range(2)]
     assert retry.user_attrs["fold_scores"] == best and retry.value == pytest.approx(sum(best) / 2)
     assert "resuming from" not in (folder / "trial-0000" / "fold-0.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LIMIT)
+@pytest.mark.parametrize("moment", ["fold 0 ended, not yet recorded", "fold 0 recorded, fold 1 not yet started"])
+def test_a_sweep_killed_between_a_trials_folds_continues_with_the_same_command(moment: str, tmp_path: Path) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from test_sweep import _start, _study, _sweep_args, _val_acc
+    from test_sweep_restarts import _ended, _trial_pid, _wait
+
+    args = [*_sweep_args(tmp_path, n_trials=1, extra="  pruner: none\n"), "--cv.folds=2"]
+    trial0 = tmp_path / "lightning_logs" / "s" / "trial-0000"
+    driver = _start(args, tmp_path)
+    if moment.endswith("not yet recorded"):
+        _wait(lambda: (trial0 / "fold-0.yaml").is_file() and _trial_pid(driver) is not None, "fold 0", driver)
+        os.kill(driver.pid, signal.SIGSTOP)  # the driver cannot record the fold's end
+        pid = _trial_pid(driver)
+        _wait(lambda: _ended(pid), "the end of fold 0")
+    else:
+        _wait(lambda: (trial0 / "fold-1.yaml").is_file(), "fold 1's config", driver)  # written just before it starts
+    os.killpg(driver.pid, signal.SIGKILL)
+    finish(driver, LIMIT, "the killed sweep")
+    again = _start(args, tmp_path)
+    assert finish(again, LIMIT, "the same sweep command") == 0
+    out = again.stdout.read()
+    (trial,) = _study(trial0.parent).get_trials(deepcopy=False)
+    assert trial.state.name == "COMPLETE", out[-3000:]
+    best = [max(_val_acc(trial0 / f"fold-{k}")) for k in range(2)]
+    assert trial.user_attrs["fold_scores"] == best and trial.value == pytest.approx(sum(best) / 2)
+    assert trial.intermediate_values == pytest.approx({0: best[0], 1: sum(best) / 2})
+    logs = [(trial0 / f"fold-{k}.log").read_text() for k in range(2)]
+    # Each fold trained once from the beginning; an ended fold not yet recorded resumes at its end to give its score.
+    assert [log.count("starting from the beginning") for log in logs] == [1, 1]
+    assert ("resuming from" in logs[0]) == moment.endswith("not yet recorded")
