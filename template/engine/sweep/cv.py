@@ -82,8 +82,7 @@ def run_cv(argv: list[str]) -> int:
     """Check everything, then run (or continue) the cross-validation; the exit code."""
     cv, fit_args = parse_section(argv, "cv", CrossValidation)
     configs = FitConfigs(fit_args)
-    split = _prepare(configs, cv.folds, cv.stratify)
-    base = configs.complete({})
+    split, base = _prepare(configs, cv.folds, cv.stratify)
     stems = "-".join(Path(path).stem for path in config_files.split(argv)[0]) or "cv"
     name = cv.name or f"{stems}-cv{cv.folds}-{hashlib.sha256(json.dumps(base).encode()).hexdigest()[:8]}"
     print(f"CV {name}: {split}", flush=True)
@@ -111,12 +110,13 @@ def run_sweep(argv: list[str]) -> int:
     configs = FitConfigs(command.fit_args)
     if cv.folds is not None:
         command.folds = cv.folds
-        print(f"Sweep {command.sweep.name}: each trial {_prepare(configs, cv.folds, cv.stratify)}", flush=True)
+        print(f"Sweep {command.sweep.name}: each trial {_prepare(configs, cv.folds, cv.stratify)[0]}", flush=True)
     return run_study(command, configs)
 
 
-def _prepare(configs: FitConfigs, k: int, stratify: bool) -> str:
-    """Refuse what cannot be split in ``k`` folds, set the DataModule's ``num_folds``; the split in words."""
+def _prepare(configs: FitConfigs, k: int, stratify: bool) -> tuple[str, dict[str, Any]]:
+    """Refuse what cannot be split in ``k`` folds, set the DataModule's ``num_folds``; the split in words, and the
+    complete config with it."""
     if k < 2:
         raise ConfigError(f"cv.folds={k}: cross-validation needs at least 2 folds, e.g. --cv.folds=5")
     data = configs.complete({})["data"]["class_path"]
@@ -126,7 +126,8 @@ def _prepare(configs: FitConfigs, k: int, stratify: bool) -> str:
             "template.engine.folds.fold_indices (see docs/cv.md)"
         )
     configs.fit_args.append(f"--data.num_folds={k}")
-    return _check_split(configs.complete({})["data"], k, stratify)
+    config = configs.complete({})
+    return _check_split(config["data"], k, stratify), config
 
 
 def _check_split(data: dict[str, Any], k: int, stratify: bool) -> str:

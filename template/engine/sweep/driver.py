@@ -285,10 +285,12 @@ class Driver:
         else None: the next fold runs unless the pruner stops the trial here."""
         trial = running.trial
         scores = [*trial.user_attrs.get(FOLD_SCORES, []), best]
-        trial.set_user_attr(FOLD_SCORES, scores)
         mean = statistics.fmean(scores)
-        if len(scores) - 1 not in running.reported:  # a restart after the report
+        # The report first: killed between the two writes, the fold runs again (to its end, from its checkpoint) and
+        # its report is there; the other order would leave the fold scored but never reported.
+        if len(scores) - 1 not in running.reported:
             trial.report(mean, len(scores) - 1)
+        trial.set_user_attr(FOLD_SCORES, scores)
         if len(scores) == self.folds:
             return mean
         if self.sweep.pruner != "none" and trial.should_prune():
