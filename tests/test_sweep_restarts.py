@@ -157,3 +157,29 @@ def test_sigkill_while_the_results_are_written(tmp_path: Path) -> None:
     _exact(folder, 2)
     for name in ("trials.csv", "best.yaml", "history.png"):
         assert (folder / name).stat().st_size > 0, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LIMIT)
+def test_sigkill_while_the_journal_is_written(tmp_path: Path) -> None:
+    # The journal's lock exists only while a worker appends to it (heartbeats, reports): milliseconds at a time.
+    args, folder = _args(tmp_path, n_trials=2, extra="  heartbeat: 1\n", paced=True), tmp_path / "lightning_logs" / "s"
+    lock = folder / "study.journal.lock"
+    driver = _start(args, tmp_path)
+    _wait(lambda: (folder / "trial-0000.yaml").is_file(), "trial 0", driver)
+    deadline = time.monotonic() + LIMIT
+    while True:
+        if os.path.lexists(lock):
+            os.killpg(driver.pid, signal.SIGSTOP)
+            if os.path.lexists(lock):  # frozen while writing
+                break
+            os.killpg(driver.pid, signal.SIGCONT)
+        if driver.poll() is not None or time.monotonic() > deadline:
+            os.killpg(driver.pid, signal.SIGKILL)
+            pytest.fail(f"no write to the journal caught within {LIMIT} s")
+    os.killpg(driver.pid, signal.SIGKILL)
+    finish(driver, LIMIT, "the killed sweep")
+    assert os.path.lexists(lock)  # what a worker killed while writing leaves
+    out = _again(args, tmp_path)
+    assert "Forcibly releasing the lock file" in out, out[-3000:]  # Optuna's words, after its 30 s grace period
+    _exact(folder, 2)

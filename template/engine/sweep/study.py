@@ -159,7 +159,12 @@ def _space(space: list[Param], folds: int) -> dict[str, Any]:
 
 
 def _journal(path: Path) -> optuna.storages.JournalStorage:
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    # A worker killed while it writes leaves the journal's lock behind; Optuna releases a stale lock after its grace
+    # period, but only one whose mtime it can read. Its default lock is a symlink to the journal's path as given: a
+    # relative path (or another machine's mount point) dangles, and every later writer waits on it forever.
+    journal = str(path)
+    lock = optuna.storages.journal.JournalFileOpenLock(journal)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal, lock_obj=lock))
 
 
 def _pruner(sweep: Sweep) -> optuna.pruners.BasePruner:
