@@ -356,9 +356,8 @@ def test_a_trial_whose_worker_died_elsewhere_is_retried_from_its_first_fold_with
 @pytest.mark.parametrize("moment", ["fold 0 ended, not yet recorded", "fold 0 recorded, fold 1 not yet started"])
 def test_a_sweep_killed_between_a_trials_folds_continues_with_the_same_command(moment: str, tmp_path: Path) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
-    from test_exact_resume import _differences, _training_state
     from test_sweep import _start, _study, _sweep_args, _val_acc
-    from test_sweep_restarts import _ended, _trial_pid, _wait
+    from test_sweep_restarts import _as_if_never_stopped, _ended, _trial_pid, _wait
 
     args = [*_sweep_args(tmp_path, n_trials=1, extra="  pruner: none\n"), "--cv.folds=2"]
     trial0 = tmp_path / "lightning_logs" / "s" / "trial-0000"
@@ -384,12 +383,5 @@ def test_a_sweep_killed_between_a_trials_folds_continues_with_the_same_command(m
     # Each fold trained once from the beginning; an ended fold not yet recorded resumes at its end to give its score.
     assert [log.count("starting from the beginning") for log in logs] == [1, 1]
     assert ("resuming from" in logs[0]) == moment.endswith("not yet recorded")
-    # Both folds ended exactly where each fold's fit run without a stop ends: weights, optimizer and RNG bit for bit.
     for k in range(2):
-        alone = _start(["fit", "--config", trial0 / f"fold-{k}.yaml", f"--run.name=alone-{k}"], tmp_path)
-        assert finish(alone, LIMIT, f"fold {k} without a stop") == 0, alone.stdout.read()[-3000:]
-        ends = [
-            torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-            for run in (trial0 / f"fold-{k}", tmp_path / "lightning_logs" / f"alone-{k}")
-        ]
-        assert _differences(*map(_training_state, ends)) == [], f"fold {k}"
+        _as_if_never_stopped(trial0 / f"fold-{k}.yaml", trial0 / f"fold-{k}", tmp_path)

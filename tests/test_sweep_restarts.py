@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import finish
+from test_exact_resume import _differences, _training_state
 from test_sweep import PACED, _start, _states, _steps, _study, _sweep_args, _val_acc
 
 optuna = pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
@@ -53,6 +55,19 @@ def _again(args: list, tmp_path: Path) -> str:
     out = again.stdout.read()
     assert code == 0, out[-3000:]
     return out
+
+
+def _as_if_never_stopped(config: Path, run: Path, tmp_path: Path) -> None:
+    """``run`` (a trial or fold that was stopped and continued) ended exactly where ``fit --config config`` run
+    without a stop ends: weights, optimizer and RNG states bit for bit."""
+    name = f"alone-{config.stem}"
+    alone = _start(["fit", "--config", config, f"--run.name={name}"], tmp_path)
+    assert finish(alone, LIMIT, f"{config.name} without a stop") == 0, alone.stdout.read()[-3000:]
+    ends = [
+        torch.load(r / "checkpoints" / "last.ckpt", weights_only=True)
+        for r in (run, tmp_path / "lightning_logs" / name)
+    ]
+    assert _differences(*map(_training_state, ends)) == [], config.name
 
 
 def _exact(folder: Path, n: int, failed: int = 0) -> optuna.Study:
@@ -183,3 +198,5 @@ def test_sigkill_while_the_journal_is_written(tmp_path: Path) -> None:
     out = _again(args, tmp_path)
     assert "Forcibly releasing the lock file" in out, out[-3000:]  # Optuna's words, after its 30 s grace period
     _exact(folder, 2)
+    for k in range(2):
+        _as_if_never_stopped(folder / f"trial-{k:04d}.yaml", folder / f"trial-{k:04d}", tmp_path)
