@@ -215,7 +215,7 @@ def _endless(loader: DataLoader) -> Iterator[Any]:
 
 def _build(cli_args: list[str]) -> Any:
     """The LightningCLI object of `fit` with these arguments, stopped before training (same seed, links, batch)."""
-    from template.engine.cli import CLI, build_cli
+    from template.engine.commands.cli import CLI, build_cli
 
     class Built(Exception):
         pass
@@ -373,8 +373,8 @@ IMPORT_GROUPS = ("torch", "torch._dynamo", "lightning", "torchmetrics", "matplot
 
 
 def import_breakdown(work: Path, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of ``import <package>.engine.cli`` per group of IMPORT_GROUPS and the package (``-X importtime``)."""
-    command = [sys.executable, "-X", "importtime", "-c", f"import {PACKAGE}.engine.cli"]
+    """Seconds of importing the command line per group of IMPORT_GROUPS and the package (``-X importtime``)."""
+    command = [sys.executable, "-X", "importtime", "-c", f"import {PACKAGE}.engine.commands.cli"]
     result = subprocess.run(
         command, cwd=work, env=_child_env(args.threads), capture_output=True, text=True, timeout=args.timeout
     )
@@ -476,10 +476,10 @@ def run_matrix(args: argparse.Namespace, workloads: dict[str, list[str]], work: 
         cells += matrix[name]
     for repeat in range(args.repeats):
         launched = time.time()
-        _run([sys.executable, "-c", f"import {PACKAGE}.engine.cli"], work, args)
+        _run([sys.executable, "-c", f"import {PACKAGE}.engine.commands.cli"], work, args)
         imports.startup_s.append(time.time() - launched)
         done += 1
-        progress(imports, repeat, f"`import {PACKAGE}.engine.cli` took {imports.startup_s[-1]:.1f} s")
+        progress(imports, repeat, f"`import {PACKAGE}.engine.commands.cli` took {imports.startup_s[-1]:.1f} s")
         if repeat == 0:
             imports.import_seconds = import_breakdown(work, args)
         for name, config_args in workloads.items():
@@ -628,8 +628,8 @@ def summary_lines(cells: list[Cell]) -> list[str]:
         parts = imports.import_seconds
         shares = ", ".join(f"{name} {parts.get(name, 0.0):.2f} s" for name in (*IMPORT_GROUPS, PACKAGE, "other"))
         lines.append(
-            f"- **start-up**: `python -c 'import {PACKAGE}.engine.cli'` alone takes {imports.startup:.1f} s (median of "
-            f"its own runs). Import time by what pulled it in (`python -X importtime`): {shares}."
+            f"- **start-up**: `python -c 'import {PACKAGE}.engine.commands.cli'` alone takes {imports.startup:.1f} s "
+            f"(median of its own runs). Import time by what pulled it in (`python -X importtime`): {shares}."
         )
     return lines
 

@@ -14,10 +14,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from template.engine.atomic import atomic_torch_save
-from template.engine.errors import ConfigError, disk_error
-from template.engine.folds import fold_indices
-from template.engine.stateful_data import RandomSampler
+from template.engine import ConfigError, RandomSampler, atomic_torch_save, disk_error, fold_indices
 
 _ARCHIVE = "digits.csv.gz"
 _CACHE = "digits.pt"

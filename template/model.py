@@ -10,8 +10,7 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from template.engine.errors import ConfigError
-from template.engine.internals import built_by_lightning_cli
+from template.engine import ConfigError, built_by_lightning_cli
 
 
 class Classifier(LightningModule):

@@ -24,6 +24,7 @@ import template
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+TESTS = REPO / "tests"
 PACKAGE = template.__name__
 # Left in the project by tools, not by tests: caches, environments, installs (matched per path part).
 UNWATCHED = (".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache")
@@ -212,7 +213,7 @@ def _restore_matmul_precision():  # noqa: ANN202
 
 @pytest.fixture(autouse=True)
 def _restore_visible_gpus():  # noqa: ANN202
-    """A CPU run built in process hides the GPUs from the process (engine/gpus.py): the tests after it see them."""
+    """A CPU run built in process hides the GPUs from the process (strategies/devices.py): the tests after see them."""
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     yield
     if before is None:
@@ -255,7 +256,7 @@ def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
 @pytest.fixture
 def run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """Run the command line inside this process, in ``tmp_path``: no interpreter start-up, for runs that stop early."""
-    from template.engine.cli import main
+    from template.engine.commands.cli import main
 
     def run(*args: str) -> subprocess.CompletedProcess:
         monkeypatch.chdir(tmp_path)

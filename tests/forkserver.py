@@ -43,7 +43,7 @@ def _become(package: str, request: dict) -> None:
 
 def main() -> None:
     package = sys.argv[1]
-    __import__(f"{package}.engine.cli")  # what each run would import first: torch, Lightning, jsonargparse
+    __import__(f"{package}.engine.commands.cli")  # what each run would import first: torch, Lightning, jsonargparse
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()

@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from template.engine import internals
-from template.engine.scaling import scale_learning_rates
-from template.engine.stateful_data import RandomSampler
-from template.engine.watchdog import HangWatchdog
+from template.engine.jobs.watchdog import HangWatchdog
+from template.engine.resume.loader import RandomSampler
+from template.engine.strategies.scaling import scale_learning_rates
 
 
 def _trainer(**kwargs) -> Trainer:  # noqa: ANN003
@@ -354,7 +354,7 @@ def test_resumable_sampler_is_a_torch_random_sampler_and_resumes_mid_epoch() -> 
 
 
 def test_built_experiment_is_none_until_a_logger_creates_it(tmp_path) -> None:  # noqa: ANN001
-    from template.engine.loggers import CSVLogger, TensorBoardLogger
+    from template.engine.logs.loggers import CSVLogger, TensorBoardLogger
 
     for logger in (CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb")):
         assert internals.built_experiment(logger) is None
@@ -397,7 +397,7 @@ def test_fsdp_helpers_do_what_model_parallel_strategy_does(tmp_path) -> None:  #
 def test_last_checkpoint_is_written_where_lightning_skipped_it(tmp_path: Path) -> None:
     """Lightning 2.6's ModelCheckpoint writes last.ckpt only at a step that saved a top-k checkpoint; the engine's
     subclass writes it at every validation (its private helpers are the ones internals names)."""
-    from template.engine.checkpoints import ModelCheckpoint
+    from template.engine.resume.checkpoints import ModelCheckpoint
 
     class Flat(BoringModel):
         def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201

@@ -1,4 +1,4 @@
-"""The code base stays ruff-clean, so CI catches style and obvious bugs without a separate step."""
+"""The code base stays ruff-clean and its imports follow the layers, so CI catches both without a separate step."""
 
 import shutil
 import subprocess
@@ -21,4 +21,13 @@ def _ruff() -> str:
 def test_ruff(command):
     command = [_ruff(), *command, "--no-cache", "."]  # no .ruff_cache: a test run leaves the project as it was
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_imports_follow_the_layers():
+    """The engine's packages import only those below them, the user's files only its public names (pyproject.toml)."""
+    found = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    if not found:
+        pytest.fail("import-linter is not installed: install the dev extra (pip install -e '.[dev]')")
+    result = subprocess.run([found, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

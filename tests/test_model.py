@@ -80,7 +80,7 @@ def test_checkpoint_of_a_hand_built_model_loads_with_weights_only(tmp_path):
 def test_a_training_step_reads_nothing_back_from_the_device_and_the_epoch_values_weigh_every_sample():
     # On a GPU each such read (.item(), bool(tensor), torch.unique, the range torch.bincount reads) waits for the
     # work queued before it: the example's step and its metrics must not need one.
-    from collective_counter import HostReads
+    from tests.collective_counter import HostReads
 
     model = Classifier(MLP((1, 8, 8), 10, dropout=0.0), num_classes=10)
     batches = [_batch(32), _batch(5)]  # a short last batch: the epoch's mean loss is per sample, not per batch

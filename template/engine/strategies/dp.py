@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from template.engine.errors import ConfigError
 from template.engine.internals import eager_call, is_compiled_in_place, layer_sync_enabled, set_compiled_call
-from template.engine.mechanism import Mechanism
+from template.engine.logs.console import Mechanism
 
 # Shipped with the project: the data-parallel run that needs no GPU.
 CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"

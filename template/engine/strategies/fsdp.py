@@ -22,7 +22,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from template.engine.atomic import atomic_torch_save, replace_directory
 from template.engine.errors import ConfigError, disk_errors
 from template.engine.internals import (
     SHARDED_METADATA,
@@ -30,7 +29,8 @@ from template.engine.internals import (
     materialize_meta_module,
     optimizers_to_device,
 )
-from template.engine.mechanism import Mechanism
+from template.engine.logs.console import Mechanism
+from template.engine.store import atomic_torch_save, replace_directory
 
 # The precisions ModelParallelStrategy takes; bf16-mixed here also gathers bf16 parameters and reduces in float32.
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")

@@ -22,9 +22,10 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningDataModule
 from optuna.trial import TrialState
 
-from template.engine import config_files, folds
-from template.engine.atomic import atomic_write
+from template.engine.commands import preflight as config_files
 from template.engine.errors import ConfigError, config_error_in
+from template.engine.store import atomic_write
+from template.engine.sweep import folds
 from template.engine.sweep.driver import FOLD, Driver
 from template.engine.sweep.fitconfig import FitConfigs
 from template.engine.sweep.options import Command, Sweep, check, parse_command, parse_section
@@ -123,7 +124,7 @@ def _prepare(configs: FitConfigs, k: int, stratify: bool) -> tuple[str, dict[str
     if not {"fold", "num_folds"} <= set(inspect.signature(pydoc.locate(data)).parameters):
         raise ConfigError(
             f"{data} cannot be cross-validated: its __init__ needs the arguments ({folds.PROTOCOL}) and a split by "
-            "template.engine.folds.fold_indices (see docs/cv.md)"
+            "template.engine.fold_indices (see docs/cv.md)"
         )
     configs.fit_args.append(f"--data.num_folds={k}")
     config = configs.complete({})

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from template.engine.errors import ConfigError
-from template.engine.gpus import parse_free_request
+from template.engine.strategies.devices import parse_free_request
 
 
 def gpus_per_trial(trainer: Mapping[str, Any]) -> int | None:

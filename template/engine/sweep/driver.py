@@ -22,9 +22,9 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from template.engine.atomic import atomic_write
 from template.engine.errors import ConfigError
-from template.engine.jobs import die_with_parent, requeue_slurm_job
+from template.engine.jobs.processes import die_with_parent, requeue_slurm_job
+from template.engine.store import atomic_write
 from template.engine.sweep.fitconfig import FitConfigs, trial_config
 from template.engine.sweep.options import Param, Sweep
 from template.engine.sweep.reporter import MEMORY_FRACTION, NOT_LOGGED, REPORTS

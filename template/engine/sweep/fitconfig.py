@@ -10,7 +10,7 @@ from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
-from template.engine.cli import CLI, build_cli
+from template.engine.commands.cli import CLI, build_cli
 from template.engine.errors import ConfigError, explain_parser_error
 
 REPORTER = "template.engine.sweep.reporter.ObjectiveReporter"

@@ -11,7 +11,7 @@ import yaml
 from jsonargparse import ArgumentParser
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
-from template.engine import config_files
+from template.engine.commands import preflight as config_files
 from template.engine.errors import ConfigError, explain_parser_error
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -11,7 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from template.engine.errors import ConfigError
-from template.engine.gpus import process_devices
+from template.engine.strategies.devices import process_devices
 
 REPORTS = "objective.jsonl"
 NOT_LOGGED = "the sweep's objective"

@@ -13,7 +13,7 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from template.engine.atomic import atomic_write
+from template.engine.store import atomic_write
 from template.engine.sweep.driver import FOLD_SCORES
 from template.engine.sweep.fitconfig import reproduction
 

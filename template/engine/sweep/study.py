@@ -14,7 +14,7 @@ from typing import Any
 import optuna
 
 from template.engine.errors import ConfigError
-from template.engine.run import LOGS
+from template.engine.runs import LOGS
 from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
 from template.engine.sweep.fitconfig import FitConfigs

@@ -1,0 +1,203 @@
+"""Portable weights: export the bare network's ``state_dict`` and load weights saved by any common wrapper.
+
+``python -m template export CKPT [--output FILE]`` writes the plain ``state_dict`` of the network inside a
+Lightning checkpoint; ``load_weights`` loads that, a Lightning checkpoint, or a plain-PyTorch checkpoint saved from
+``DataParallel``/``DistributedDataParallel`` (``module.``) or ``torch.compile`` (``_orig_mod.``) into a bare module.
+``--format onnx`` writes the network (or, with ``--module``, the LightningModule) as an ONNX graph instead, checked in
+ONNX Runtime before the file is put in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor, nn
+
+from template.engine.commands.cli import CLI, PROGRAM, build_cli
+from template.engine.errors import ConfigError, disk_errors, one_line
+from template.engine.resume import checkpoints
+from template.engine.store import atomic_torch_save
+
+# Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
+DEFAULT_PREFIX = "net."
+_WRAPPER_PREFIX = "module."  # DataParallel and DistributedDataParallel
+_COMPILED_SEGMENT = "_orig_mod."  # torch.compile, at the top or around a compiled submodule
+_NESTED_KEYS = ("state_dict", "model_state_dict", "model")
+# ONNX Runtime's output must match PyTorch's within |ort - torch| <= ATOL + RTOL * |torch| (fp32).
+ATOL, RTOL = 1e-4, 1e-3
+
+
+def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX, source: str = "the file") -> dict[str, Tensor]:
+    """The bare network's weights inside ``checkpoint``, whichever way it was saved."""
+    if isinstance(checkpoint, Mapping) and "pytorch-lightning_version" in checkpoint:
+        # A Lightning checkpoint holds the whole LightningModule; keep the network's part.
+        state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+        if not state:
+            found = sorted({k.split(".")[0] for k in checkpoint["state_dict"]})
+            raise ConfigError(f"no weights under prefix '{prefix}' in {source} (it has {found}); pass --prefix")
+    else:
+        state = checkpoint
+        for key in _NESTED_KEYS:
+            if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
+                state = state[key]
+                break
+    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ConfigError(f"{source} does not hold a state_dict (a mapping of names to tensors); pass a checkpoint")
+    return {clean_key(k): v for k, v in state.items()}
+
+
+def clean_key(key: str) -> str:
+    """Drop the names that DataParallel, DistributedDataParallel and torch.compile add around a module's weights."""
+    while key.startswith(_WRAPPER_PREFIX) or key.startswith(_COMPILED_SEGMENT):
+        key = key.removeprefix(_WRAPPER_PREFIX).removeprefix(_COMPILED_SEGMENT)
+    return key.replace(f".{_COMPILED_SEGMENT}", ".")
+
+
+def load_weights(
+    module: nn.Module,
+    path: str | os.PathLike,
+    map_location: Any = "cpu",
+    prefix: str = DEFAULT_PREFIX,
+    strict: bool = True,
+) -> nn.Module:
+    """Load weights from ``path`` (exported, Lightning, DP/DDP or compiled checkpoint) into the bare ``module``."""
+    state = extract_state_dict(checkpoints.load(path, map_location), prefix, source=f"'{path}'")
+    module.load_state_dict(state, strict=strict)
+    return module
+
+
+def export(checkpoint_path: str | os.PathLike, output: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> Path:
+    """Write the plain network ``state_dict`` of ``checkpoint_path`` to ``output`` (atomically); returns ``output``."""
+    output = Path(output)
+    state = extract_state_dict(checkpoints.load(checkpoint_path), prefix, source=f"'{checkpoint_path}'")
+    if output.resolve() == Path(checkpoint_path).resolve():
+        raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
+    # atomic: nothing is left at --output (the temporary is removed, a previous file untouched).
+    with disk_errors(output, kept="nothing was written at --output", option="--output"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(state, output)
+    return output
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse reporting a mistake as one ``error:`` line (through ``cli.main``), not usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
+
+
+class FitConfig(CLI):
+    """The command line building the model and data of a fit config, also as a run saved it (with ``ckpt_path``)."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument("--ckpt_path", type=str | None, default=None)
+        parser.add_argument("--weights_only", type=bool | None, default=None)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        return None  # the model and the data only
+
+
+def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: str, module: bool) -> str:
+    """Write the net at ``prefix`` (or the module) as ONNX, checked in ONNX Runtime; the line saying how well."""
+    try:
+        import onnxruntime
+        import onnxscript  # noqa: F401 - torch.onnx's exporter needs it
+    except ImportError:
+        raise ConfigError("--format onnx needs onnx, onnxscript and onnxruntime: pip install -e '.[onnx]'") from None
+    configs = configs or [str(Path(checkpoint_path).resolve().parent.parent / "config.yaml")]
+    if not Path(configs[0]).is_file():
+        raise ConfigError(f"no config.yaml in the run folder of '{checkpoint_path}'; pass the run's --config")
+    state = extract_state_dict(checkpoints.load(checkpoint_path), "", source=f"'{checkpoint_path}'")
+    cli = build_cli([arg for config in configs for arg in ("--config", config)], False, FitConfig)
+    try:
+        cli.model.load_state_dict(state)
+    except RuntimeError as err:
+        raise ConfigError(f"'{checkpoint_path}' does not fit the config's model: {one_line(str(err))[:300]}") from None
+    target = (cli.model if module else cli.model.get_submodule(prefix.rstrip("."))).cpu().eval()
+    x = _example_input(cli.datamodule).cpu()
+    quiet = io.StringIO()  # torch.export prints its graphs when it fails, and warns of torchvision's operators
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"])
+        except torch.onnx.OnnxExporterError as err:
+            raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
+    temporary = output.with_name(f".{output.name}.export")
+    with disk_errors(output, kept="nothing was written at --output", option="--output"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        program.save(temporary, external_data=False)
+        try:
+            session = onnxruntime.InferenceSession(str(temporary), providers=["CPUExecutionProvider"])
+            with torch.no_grad():  # two batch sizes: the batch dimension must be dynamic
+                pairs = [(session.run(None, {"input": b.numpy()})[0], target(b).numpy()) for b in (x, x[:1])]
+            error = max(float(abs(got - want).max()) for got, want in pairs)
+            if any(abs(got - want).max() > ATOL + RTOL * abs(want).max() for got, want in pairs):
+                raise ConfigError(f"ONNX Runtime's output differs from PyTorch's by {error:.3g}; nothing was written")
+            os.replace(temporary, output)
+        finally:
+            temporary.unlink(missing_ok=True)
+    return f"checked in ONNX Runtime on batches of {len(x)} and 1: |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
+
+
+def _example_input(datamodule: LightningDataModule) -> Tensor:
+    """The input of one batch of the DataModule's val (else predict) loader: the batch, or its first element."""
+    for stage, loader in (("validate", "val_dataloader"), ("predict", "predict_dataloader")):
+        if is_overridden(loader, datamodule, LightningDataModule):
+            datamodule.prepare_data()
+            datamodule.setup(stage)
+            batch = next(iter(getattr(datamodule, loader)()))
+            return batch[0] if isinstance(batch, (list, tuple)) else batch
+    raise ConfigError(f"{type(datamodule).__name__} has no val_dataloader or predict_dataloader for an example input")
+
+
+def _construct(err: BaseException) -> str:
+    """The operator or construct torch.onnx's exporter stopped at, and where in the user's code, in one line."""
+    while err.__cause__ is not None and "raised this error" not in str(err):
+        err = err.__cause__
+    where = re.search(r'raised this error:\s*File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)', str(err))
+    place = f" at {where[1]}:{where[2]} `{where[3].strip()}`" if where else ""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{one_line(str(err))[:300]}{place}; change that code, or export the weights (--format weights)"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m template export CKPT [--output FILE] [--prefix net.] [--format onnx [--module] [--config FILE]]``."""
+    parser = ArgumentParser(
+        prog=f"{PROGRAM} export",
+        description="Write the bare network's state_dict from a checkpoint (it loads with weights_only=True), "
+        "or with --format onnx the network as an ONNX graph checked in ONNX Runtime.",
+    )
+    parser.add_argument("ckpt_path", help="a Lightning checkpoint (or a DP/DDP/compiled plain-PyTorch one)")
+    parser.add_argument("--output", help="where to write it (default: CKPT with suffix .pt, or .onnx)")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="attribute of the LightningModule holding the net")
+    parser.add_argument("--format", choices=("weights", "onnx"), default="weights", help="a state_dict, or ONNX")
+    parser.add_argument("--module", action="store_true", help="onnx: the whole LightningModule, not the net")
+    parser.add_argument("--config", action="append", help="onnx: the run's config (default: its config.yaml)")
+    args = parser.parse_args(argv)
+    if args.format == "weights" and (args.module or args.config):
+        raise ConfigError("--module and --config are for --format onnx; the weights need neither")
+    suffix = ".onnx" if args.format == "onnx" else ".pt"
+    output = Path(args.output) if args.output else Path(args.ckpt_path).with_suffix(suffix)
+    if args.format == "onnx":
+        if output.resolve() == Path(args.ckpt_path).resolve():
+            raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
+        checked = export_onnx(args.ckpt_path, output, args.config or [], args.prefix, args.module)
+        print(f"Wrote {output}, {checked}: onnxruntime.InferenceSession('{output}').run(None, {{'input': x}})")
+        return
+    written = export(args.ckpt_path, output, args.prefix)
+    print(f"Wrote {written}: net.load_state_dict(torch.load('{written}', weights_only=True))")

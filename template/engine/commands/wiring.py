@@ -1,0 +1,215 @@
+"""What the command line adds to a Trainer: the functions below build each piece from the parsed configuration.
+
+``engine/cli.py`` calls them from LightningCLI's hooks and nothing else adds to a run. Each piece that changes the
+run carries its ``announcement`` (``engine/mechanism.py``): what it does and the option that switches it off, which
+the run's first lines list.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ProgressBar
+from lightning.pytorch.utilities import rank_zero_info
+
+from template.engine.errors import ConfigError, explain_trainer_error, one_line
+from template.engine.internals import skip_idle_step_hooks
+from template.engine.jobs.preemption import Preemption
+from template.engine.jobs.watchdog import HangWatchdog
+from template.engine.logs.console import MonitorCheck, TimedProgressBar
+from template.engine.logs.loggers import LogsBeforeCheckpoints, default_loggers
+from template.engine.logs.trackers import TrackerRuns, has_trackers, resume_trackers
+from template.engine.resume.checkpoints import AtomicCheckpointIO
+from template.engine.resume.continuation import Run, periodic_checkpoint
+from template.engine.runs import LOGS
+from template.engine.runs.provenance import Provenance
+from template.engine.store import atomic_write
+from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config  # registers "dp" and "fsdp"
+from template.engine.strategies.devices import apply_matmul_precision, hide_gpus_from_cpu_run, resolve_free_devices
+from template.engine.strategies.ema import ema_callbacks
+from template.engine.strategies.fsdp import check_ema, check_fsdp_trainer_config
+
+
+def loggers(
+    trainer_config: dict[str, Any], run: Run, trackers: list[Any], tracker_configs: list[Any]
+) -> dict[str, Any]:
+    """The ``logger`` argument: CSV and TensorBoard in the run's folder, then the trackers (a restarted named run's
+    continuing their tracker runs); {} keeps the config's."""
+    trackers = resume_trackers(trackers, tracker_configs, run.directory)
+    logger = trainer_config.get("logger")
+    if logger in (None, True):
+        # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
+        root = trainer_config.get("default_root_dir")
+        return {"logger": [*default_loggers(root, LOGS, run.name, run.resume, run.resume_step), *trackers]}
+    if not trackers:
+        return {}
+    if logger is False:
+        raise ConfigError("trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them")
+    return {"logger": [*(logger if isinstance(logger, list) else [logger]), *trackers]}
+
+
+def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``plugins`` argument: atomic checkpoint writes, unless the config lists plugins of its own."""
+    return {"plugins": [AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
+
+
+def strategy(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``strategy`` argument: ``fsdp`` as an instance of the project's FSDP2 strategy, since Lightning refuses
+    the name "fsdp" on CPUs before it looks the name up; {} keeps the config's."""
+    return {"strategy": FSDP2Strategy()} if trainer_config.get("strategy") == FSDP2Strategy.strategy_name else {}
+
+
+def callbacks(
+    trainer_config: dict[str, Any],
+    subcommand: str,
+    run: Run,
+    monitor: str | None,
+    ema: Any = None,
+    trackers: list[Any] | None = None,
+) -> dict[str, Any]:
+    """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitor's check, preemption,
+    the run's provenance, its tracker runs (with ``trackers`` or a tracker as ``trainer.logger``), the weights'
+    average (``ema``) and periodic saves."""
+    configured = trainer_config.get("callbacks") or []
+    added: list[Callback] = []
+    if trainer_config.get("enable_progress_bar") is not False and not any(
+        isinstance(c, ProgressBar) for c in configured
+    ):
+        # Lightning's default bar redraws after every step, which costs more than a small model's step here.
+        added.append(TimedProgressBar(refresh_rate=10))
+    if subcommand == "fit":
+        check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
+        monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
+        logger = trainer_config.get("logger")
+        tracked = has_trackers([*(trackers or []), *(logger if isinstance(logger, list) else [logger])])
+        added += [*([MonitorCheck(monitors)] if monitors else []), *([TrackerRuns()] if tracked else [])]
+        added += [LogsBeforeCheckpoints()]
+        added += ema_callbacks(**vars(ema)) if ema is not None else []
+        # After the callbacks that change the training state at a batch's end (the average of the weights, the
+        # user's): the checkpoints written there hold this batch's changes. Provenance records the signal it stopped on.
+        preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
+        added += [*preemption, Provenance(), *periodic_checkpoint(run)]
+    if not added:
+        return {}
+    return {"callbacks": [*(configured if isinstance(configured, list) else [configured]), *added]}
+
+
+def check_devices(trainer_config: dict[str, Any]) -> None:
+    """Hide the GPUs from a CPU run, resolve ``devices: free:N``, check dp's and fsdp's settings: before Lightning's
+    less helpful checks."""
+    hide_gpus_from_cpu_run(trainer_config)
+    resolve_free_devices(trainer_config)
+    check_dp_trainer_config(trainer_config)
+    check_fsdp_trainer_config(trainer_config)
+
+
+def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: Any = None) -> None:
+    """What needs the built Trainer: matmul precision, the launcher's process count, the watchdog's timeout, and
+    idle per-batch hooks skipped on every callback but the user's (``configured``, the config's callbacks)."""
+    apply_matmul_precision(matmul_precision, trainer)
+    users = {id(c) for c in (configured if isinstance(configured, list) else [configured] if configured else [])}
+    for callback in trainer.callbacks:
+        if id(callback) not in users:
+            skip_idle_step_hooks(callback)
+    # Lightning compares devices x num_nodes with what torchrun or SLURM started only inside fit, with a traceback
+    # from every process: compare them here, where the mismatch becomes one line.
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if getattr(launcher, "cluster_environment", None) is not None:
+        launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
+    for callback in trainer.callbacks:
+        if isinstance(callback, HangWatchdog):
+            callback.arm(trainer)
+
+
+def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config: dict[str, Any]) -> Trainer:
+    """``build()`` (the checks above, the Trainer, ``after_trainer``), with Lightning's complaints about the Trainer
+    settings turned into one-line ConfigErrors."""
+    try:
+        return build()
+    except (MisconfigurationException, ValueError) as err:
+        raise ConfigError(explain_trainer_error(one_line(err))) from None
+    except TypeError as err:
+        if "devices" not in str(err):
+            raise
+        raise ConfigError(
+            f"trainer.devices={trainer_config.get('devices')!r} is not valid on the CPU: CPU devices are a number "
+            "of processes (>= 1), not indices; set e.g. --trainer.devices=2"
+        ) from None
+
+
+def _monitors(checkpoint_monitor: str | None, configured: list[Any]) -> dict[str, str]:
+    """The metrics the run's callbacks monitor, by the option that set each: ``checkpoint.monitor``, and the
+    ``monitor`` of each callback in ``trainer.callbacks`` that stops a run on a missing metric (EarlyStopping)."""
+    monitors = {"checkpoint.monitor": checkpoint_monitor} if checkpoint_monitor else {}
+    for index, callback in enumerate(configured):
+        metric = getattr(callback, "monitor", None)
+        if isinstance(metric, str) and getattr(callback, "strict", True):
+            monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
+    return monitors
+
+
+def best_checkpoint_line(checkpoint: ModelCheckpoint | None) -> str | None:
+    """The line naming the best checkpoint of a finished fit, or None when there is none to name."""
+    # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
+    if checkpoint is None or not checkpoint.best_model_path or checkpoint.best_model_score is None:
+        return None
+    score = float(checkpoint.best_model_score)
+    return f"Best checkpoint: {checkpoint.best_model_path} ({checkpoint.monitor}={score:.4f})"
+
+
+RESULTS = "test-results.json"
+
+
+def evaluate_best(trainer: Trainer, model: LightningModule, datamodule: LightningDataModule | None) -> None:
+    """Run ``trainer.test`` on the fit's best checkpoint (its last weights when no metric chose one).
+
+    The same Trainer logs the test metrics into the run's own logs (``metrics.csv``, TensorBoard, trackers), and
+    rank zero writes them, with the checkpoint they come from, to ``<run folder>/test-results.json``.
+    """
+    callback = trainer.checkpoint_callback
+    best = getattr(callback, "best_model_path", "") or None
+    rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")
+    results = trainer.test(model, datamodule=datamodule, ckpt_path="best" if best else None)
+    log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
+    if trainer.is_global_zero and log_dir is not None:
+        text = json.dumps({"checkpoint": best, "results": results}, indent=1)
+        atomic_write(Path(log_dir) / RESULTS, lambda f: f.write(text.encode()))
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Saves ``<log_dir>/predictions.csv`` (one per rank under DDP) with each sample's dataset index."""
+
+    def __init__(self, filename: str = "predictions.csv") -> None:
+        super().__init__(write_interval="epoch")
+        self.filename = filename
+
+    def path(self, trainer: Trainer) -> Path:
+        name = self.filename if trainer.world_size == 1 else f"{Path(self.filename).stem}-rank{trainer.global_rank}.csv"
+        return Path(trainer.log_dir or trainer.default_root_dir) / name
+
+    def write_on_epoch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        predictions: Sequence[Any],
+        batch_indices: Sequence[Any],
+    ) -> None:
+        # Lightning nests both per dataloader, except predictions when there is a single dataloader.
+        if predictions and not isinstance(predictions[0], torch.Tensor):
+            predictions = [batch for per_loader in predictions for batch in per_loader]
+        if batch_indices and batch_indices[0] and not isinstance(batch_indices[0][0], int):
+            batch_indices = [indices for per_loader in batch_indices for indices in per_loader]
+        path = self.path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["index", "prediction"])
+            for batch, indices in zip(predictions, batch_indices, strict=True):
+                writer.writerows(zip(indices, batch.tolist(), strict=True))

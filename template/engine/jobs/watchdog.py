@@ -1,0 +1,297 @@
+"""Hang watchdog: a rank that hangs ends the whole job within a timeout, and no process of the job outlives it; a
+rank that dies (SIGKILL, a segfault) ends it with one line naming the rank, its signal and the checkpoint to use."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from template.engine.errors import ConfigError, chain, full_traceback
+from template.engine.internals import (
+    cluster_environment,
+    launched_children,
+    on_child_failure,
+    process_group_timeout,
+    set_process_group_timeout,
+)
+from template.engine.jobs.processes import die_with_parent
+from template.engine.logs.console import Mechanism
+from template.engine.runs.folder import checkpoint_dir, newest
+
+
+class HangWatchdog(Callback):
+    """Bounds how long a process waits for the others, then takes the whole job down.
+
+    Args:
+        timeout: seconds a collective (all-reduce, barrier) may wait for the other processes before the job
+            fails. It also bounds how long one rank may work alone while the others wait, e.g. a long
+            ``prepare_data`` download on rank 0: raise it for such work.
+        grace: seconds the launching process gives its child ranks to exit on their own after an error (not after
+            a timeout: then a rank is hung) before killing them, and itself to fail on its own after a child rank
+            died before it reports that rank.
+    """
+
+    announcement = Mechanism(
+        "hang watchdog",
+        "a rank waiting longer than watchdog.timeout s ends the job; each rank ends its process group at exit",
+        "none; raise --watchdog.timeout (Lightning's: 1800)",
+    )
+
+    def __init__(self, timeout: float = 600.0, grace: float = 3.0) -> None:
+        if timeout <= 0:
+            raise ConfigError(f"watchdog.timeout must be a positive number of seconds, got {timeout}; e.g. 600")
+        if grace < 0:
+            raise ConfigError(f"watchdog.grace must be >= 0 seconds, got {grace}; e.g. 3")
+        self.timeout = timeout
+        self.grace = grace
+
+    def arm(self, trainer: Trainer) -> None:
+        """Give the process group this timeout; called before the trainer starts its processes."""
+        strategy = trainer.strategy
+        # DDP, FSDP and DeepSpeed keep the process-group timeout here. Lightning's default (30 min) means nobody
+        # chose one; an explicit DDPStrategy(timeout=...) is kept.
+        if process_group_timeout(strategy) == default_pg_timeout:
+            set_process_group_timeout(strategy, timedelta(seconds=self.timeout))
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        global _recorded
+        _recorded = None  # a command run earlier in this process (a test, a notebook) has ended
+        _FAILING.clear()
+        # Lightning's launcher would SIGKILL this process the moment a child exits non-zero, saying nothing of it.
+        launcher = on_child_failure(lambda: self._child_failed(trainer))
+        if not launcher and trainer.local_rank > 0 and launched_children(trainer) is None:
+            if isinstance(cluster_environment(trainer), LightningEnvironment):
+                # Started by rank 0 (Lightning's launcher): its death is this rank's to report, then it ends.
+                _watch_launcher(trainer, os.getppid(), wait=self.grace + 10)
+            else:
+                # A child rank dies with the process that started it (torchrun's agent), even when that one is
+                # SIGKILLed and runs no cleanup: a hung child would otherwise live on as an orphan.
+                die_with_parent()
+        if dist.is_available() and dist.is_initialized():
+            end_process_group_at_exit()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """The launcher is failing: stop the ranks it started, or a hung one would be left orphaned."""
+        global _recorded
+        if not isinstance(exception, SIGTERMException):
+            # A failing rank may leave a collective pending: destroying the group would wait for the other ranks (up
+            # to the timeout) instead of exiting. A signal's stop is orderly: every rank stopped at the same point.
+            atexit.unregister(_end_process_group)
+        children = launched_children(trainer)
+        timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
+        if not children:
+            if trainer.world_size > 1 and _launcher is None and not timed_out and lost_peer(exception):
+                # Started apart (torchrun, SLURM): another rank died, which the launcher names. Said now, before the
+                # launcher's SIGTERM to the ranks left ends this one with a line of its own.
+                DeadRank(None, None, None, _newest_checkpoint(trainer)).report_and_exit(exception)
+            return
+        _FAILING.set()
+        if not timed_out:
+            # A rank that raised is already on its way out (printing its traceback): let it finish.
+            deadline = time.monotonic() + self.grace
+            for proc in children:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            # The rank that died on its own (not killed below) is why this process failed: the job reports it.
+            _recorded = _recorded or _first_dead(trainer, children)
+        alive = [proc for proc in children if proc.poll() is None]
+        if not alive:
+            return
+        reason = (
+            f"a collective waited more than watchdog.timeout={self.timeout:g} s: another rank is hung or too slow"
+            if timed_out
+            else f"this process failed ({type(exception).__name__})"
+        )
+        pids = ", ".join(str(proc.pid) for proc in alive)
+        if _recorded is None:
+            print(
+                f"[rank {trainer.global_rank}] {reason}; killing the job's other processes (PID {pids}). "
+                "If a rank legitimately works alone for longer, raise --watchdog.timeout.",
+                file=sys.stderr,
+                flush=True,
+            )
+        _kill(alive)
+
+    def _child_failed(self, trainer: Trainer) -> None:
+        """Lightning's launcher saw a child exit non-zero (in its watching thread). This process fails at its next
+        collective and reports the dead rank (``on_exception``); one that does not (busy, or NCCL waiting for the
+        dead rank until the timeout) is ended here, with the same line."""
+        if _FAILING.wait(self.grace):
+            return
+        children = launched_children(trainer) or []
+        dead = _first_dead(trainer, children)
+        if dead is not None:
+            _kill([proc for proc in children if proc.poll() is None])
+            dead.report_and_exit()
+
+
+@dataclass(frozen=True)
+class DeadRank:
+    """A rank that ended while the job ran: ``returncode`` as Popen gives it (-N: killed by signal N), None where this
+    process cannot know it (the rank is its parent); ``checkpoint``: the newest, which the same command continues from.
+    """
+
+    rank: int | None  # None: a rank this process cannot name (torchrun, SLURM: each rank is started apart)
+    pid: int | None
+    returncode: int | None
+    checkpoint: str | None
+
+    @property
+    def exit_code(self) -> int:
+        """As a shell reports a process killed by a signal, 128 + the signal; a rank that exited passes its code on."""
+        if self.returncode is None:
+            return 1
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def line(self) -> str:
+        """One line: which rank died and how, and where the same command continues from."""
+        who = f"rank {self.rank} (PID {self.pid})"
+        if self.rank is None:
+            what = (
+                "another rank of the job ended while this one waited for it (the collective's connection closed): "
+                "the launcher's report names which and how"
+            )
+        elif self.returncode is None:
+            what = (
+                f"{who}, which started this process, ended without stopping it: killed by a signal (out of memory, "
+                "kill -9) or crashed; the job's exit status names the signal (137: SIGKILL, 139: SIGSEGV)"
+            )
+        elif self.returncode < 0:
+            name = _signal_name(-self.returncode)
+            what = f"{who} was killed by {name}{_CAUSES.get(name, '')}; the job stops with exit code {self.exit_code}"
+        else:
+            what = f"{who} exited with code {self.returncode} (its own output says why); the job stops with it"
+        if self.checkpoint is None:
+            return f"{what}; no checkpoint was written yet: the same command starts from the beginning"
+        return f"{what}; run the same command to continue from {self.checkpoint}"
+
+    def report_and_exit(self, exception: BaseException | None = None) -> None:
+        """Print the line and end this process now, from any thread (the main one may be blocked in a collective)."""
+        with _REPORTING:
+            if exception is not None and full_traceback():
+                traceback.print_exception(exception)
+            print(f"error: {self.line()}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(self.exit_code)
+
+
+_CAUSES = {
+    "SIGKILL": " (out of memory, or kill -9 by a user or the scheduler)",
+    "SIGSEGV": " (a crash in native code: a library, an extension or a driver)",
+    "SIGBUS": " (a crash in native code, or a file it had mapped was truncated)",
+    "SIGABRT": " (native code aborted)",
+}
+_REPORTING = threading.Lock()
+_FAILING = threading.Event()  # set when the launcher's run fails: it reports a dead child itself
+_recorded: DeadRank | None = None  # the child rank whose death the launcher found
+# What a collective raises on a surviving rank when a peer's connection closes (gloo), or NCCL when a peer is gone.
+_LOST_PEER = re.compile(
+    r"Connection (closed|reset) by peer|remote worker crash|Broken pipe|remote process exited|"
+    r"NCCL communicator was aborted",
+    re.IGNORECASE,
+)
+# Set in a rank that Lightning's launcher started: (the launcher's PID, seconds to wait for its death or for it).
+_launcher: tuple[int, float] | None = None
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _newest_checkpoint(trainer: Trainer) -> str | None:
+    try:
+        return newest([Path(checkpoint_dir(trainer))])
+    except Exception:  # a trainer that failed before its loggers and checkpoint folder were set up
+        return None
+
+
+def _first_dead(trainer: Trainer, children: list[subprocess.Popen]) -> DeadRank | None:
+    """The child rank that ended non-zero, a signal's death first (a rank that exited may have lost that one)."""
+    ended = [(i, proc) for i, proc in enumerate(children) if proc.poll() not in (None, 0)]
+    if not ended:
+        return None
+    i, proc = min(ended, key=lambda item: (item[1].returncode > 0, item[0]))
+    return DeadRank(trainer.global_rank + i + 1, proc.pid, proc.returncode, _newest_checkpoint(trainer))
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def _watch_launcher(trainer: Trainer, parent: int, wait: float) -> None:
+    """In a rank that Lightning's launcher (rank 0) started: when rank 0 dies without ending this rank (SIGKILL, a
+    segfault), say so in one line and end, even while this rank is busy or hung (a thread polls the parent)."""
+    global _launcher
+    if _launcher is not None:
+        return  # set up again in the same process (the test after fit): already watched
+    _launcher = (parent, wait)
+    rank = trainer.global_rank - trainer.local_rank
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        DeadRank(rank, parent, None, _newest_checkpoint(trainer)).report_and_exit()
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's failure because another rank of the job is gone."""
+    return any(isinstance(e, dist.DistNetworkError) or _LOST_PEER.search(str(e)) for e in chain(err))
+
+
+def dead_rank(err: BaseException) -> DeadRank | None:
+    """The rank whose death made this process fail with ``err``, if this process knows it; None otherwise.
+
+    The launcher knows its children's ends. A rank that the launcher started and whose collective failed waits here:
+    either rank 0 died (this rank's watching thread reports it and ends the process) or another rank did (rank 0
+    reports that one and kills this rank); only if neither happens in time does it go on to its own traceback.
+    """
+    if _recorded is not None:
+        return _recorded
+    if _launcher is not None and lost_peer(err):
+        time.sleep(_launcher[1])
+    return None
+
+
+def end_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, while it is still whole.
+
+    Lightning does this for NCCL only. A gloo group left to the interpreter's finalisation aborts the process now and
+    then (``terminate called without an active exception``, SIGABRT, about one exit in ten here with torch 2.13):
+    gloo's threads still hold the last collective's work when Python is torn down. A rank that aborts after a
+    finished run fails the job (torchrun's agent waits for it at its exit barrier; Lightning's launcher kills the
+    other ranks).
+    """
+    atexit.unregister(_end_process_group)  # registered once, however many Trainers this process sets up
+    atexit.register(_end_process_group)
+
+
+def _end_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,198 @@
+"""Checkpoint files: validate one a user names, describe it, find the newest of a run, and load one.
+
+Every path a user gives (``--ckpt_path``, ``export CKPT``, ``load_weights``) goes through :func:`check` first, so a
+missing, truncated or foreign file is one ``error:`` line before anything reads it or writes beside it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from fsspec.utils import get_protocol
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+from template.engine.errors import ConfigError, disk_errors, one_line
+from template.engine.internals import SHARDED_METADATA, save_last_where_skipped
+from template.engine.logs.console import Mechanism
+from template.engine.runs.folder import checkpoint_dir, is_sharded
+from template.engine.store import atomic_torch_save
+from template.engine.strategies.fsdp import is_fsdp
+
+# Lightning resolves these names itself instead of reading a file.
+SPECIAL_PATHS = ("best", "last", "hpc", "registry")
+# Lightning writes this key into every checkpoint it saves.
+_LIGHTNING_KEY = "pytorch-lightning_version"
+
+
+def check(
+    path: str | os.PathLike, option: str = "--ckpt_path", lightning: bool = True, strategy: Any = None
+) -> dict[str, Any]:
+    """The checkpoint at ``path``, its tensors memory-mapped; a ConfigError when it cannot be used.
+
+    ``lightning``: the caller resumes or evaluates from it, so a bare ``state_dict`` (what ``export`` writes) is
+    refused with a line saying what the file is and how to use it. ``strategy``: the ``trainer.strategy`` that will
+    load it; a sharded checkpoint (a folder, strategy fsdp's) loads only under fsdp. For a sharded checkpoint, the
+    dict holds everything but the shards.
+    """
+    if is_sharded(path):
+        return _check_sharded(Path(path), option, strategy)
+    if not Path(path).is_file():
+        raise ConfigError(f"checkpoint '{path}' does not exist; pass an existing file to {option}")
+    try:
+        # mmap reads the archive's index, not the tensors: a cheap check that the file is whole.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # junk bytes make the unpickler fail in arbitrary ways
+        reason = one_line(err).split(". ")[0][:200]
+        if "mmap can only be used" in reason:
+            reason = "not a PyTorch checkpoint archive"
+        raise ConfigError(
+            f"checkpoint '{path}' cannot be loaded ({reason}); it is truncated, corrupt "
+            f"or not a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project to {option}"
+        ) from None
+    if lightning and not is_lightning(checkpoint):
+        if is_state_dict(checkpoint):
+            raise ConfigError(
+                f"checkpoint '{path}' holds a network's weights only (as `export` writes them), not a training "
+                f"state: load it with net.load_state_dict(torch.load('{path}', weights_only=True)), or pass the "
+                f"Lightning .ckpt it was exported from to {option}"
+            )
+        raise ConfigError(
+            f"checkpoint '{path}' is not a Lightning checkpoint (it has no '{_LIGHTNING_KEY}'); pass a .ckpt "
+            f"file written by a run of this project to {option}"
+        )
+    return checkpoint
+
+
+def _check_sharded(path: Path, option: str, strategy: Any) -> dict[str, Any]:
+    if strategy is not None and not is_fsdp(strategy):
+        raise ConfigError(
+            f"checkpoint '{path}' is sharded (a folder written by strategy fsdp) but trainer.strategy is "
+            f"{strategy if isinstance(strategy, str) else type(strategy).__name__}: run with --trainer.strategy=fsdp, "
+            f"or export it to one file (python -m {__package__.split('.')[0]} export {path})"
+        )
+    from torch.distributed.checkpoint import FileSystemReader  # here: only sharded checkpoints need it at start-up
+
+    try:
+        FileSystemReader(path).read_metadata()
+        return torch.load(path / SHARDED_METADATA, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # a missing or truncated part: see check()
+        raise ConfigError(
+            f"sharded checkpoint '{path}' cannot be loaded ({one_line(err)[:200]}); it is incomplete or corrupt: "
+            f"pass a complete checkpoint written by this project to {option}"
+        ) from None
+
+
+def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning checkpoint, in this process (no process group): the shards joined into
+    full tensors, optimizer states keyed by parameter name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    check(path, option="the command")
+    buffer = io.BytesIO()
+    dcp_to_torch_save(path, buffer)
+    buffer.seek(0)
+    shards = torch.load(buffer, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(Path(path) / SHARDED_METADATA, map_location="cpu", weights_only=True)
+    optimizers = sorted((k for k in shards if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    return {**checkpoint, "state_dict": shards["state_dict"], "optimizer_states": [shards[k] for k in optimizers]}
+
+
+def is_lightning(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` is what Lightning's ``Trainer.save_checkpoint`` writes."""
+    return isinstance(checkpoint, Mapping) and _LIGHTNING_KEY in checkpoint and "state_dict" in checkpoint
+
+
+def is_state_dict(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` is a bare ``state_dict``: names mapped to tensors."""
+    return (
+        isinstance(checkpoint, Mapping)
+        and bool(checkpoint)
+        and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+    )
+
+
+def describe(path: str | os.PathLike) -> str:
+    """``epoch E, step S`` of a checkpoint (validated first), read without loading its tensors."""
+    checkpoint = check(path)
+    return f"epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')}"
+
+
+def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """The whole checkpoint at ``path`` (any weights-only file: Lightning, exported or plain PyTorch)."""
+    if is_sharded(path):
+        return load_sharded(path)
+    check(path, option="the command", lightning=False)
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:
+    """A fit continuing from a checkpoint in the folder it writes its checkpoints to: that folder holds the run's own
+    checkpoints, as expected, and Lightning's warning that it "exists and is not empty" is left out.
+
+    The warning stays for every other folder: a new run writing where another left checkpoints (a reused
+    ``checkpoint.dirpath``) would overwrite its ``last.ckpt``.
+    """
+    if ckpt_path is None or str(ckpt_path) in SPECIAL_PATHS:
+        return
+    folder = checkpoint_dir(trainer)
+    if Path(ckpt_path).resolve().parent != Path(folder).resolve():
+        return
+    # No argument of ModelCheckpoint avoids the warning: its setup warns before every fit in a non-empty folder.
+    warnings.filterwarnings(
+        "ignore", message=rf"Checkpoint directory {re.escape(str(folder))} exists and is not empty\.$"
+    )
+
+
+class ModelCheckpoint(LightningModelCheckpoint):
+    """Lightning's ModelCheckpoint (the ``checkpoint:`` section), whose ``save_last=True`` writes ``last.ckpt`` at
+    every validation again, as before Lightning 2.6: there it is written only where a top-k checkpoint is, so a run
+    whose score stopped improving ended with an old ``last.ckpt``, and a restart went back to it. The same class name
+    keeps the callback's state key, so checkpoints written before load as they were."""
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        save_last_where_skipped(self, trainer, at_epoch_end=False)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        save_last_where_skipped(self, trainer, at_epoch_end=True)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves survive SIGKILL at any moment and whose loads are ``weights_only``."""
+
+    announcement = Mechanism(
+        "atomic checkpoints", "written beside the target, fsynced, renamed; loaded weights-only", "--trainer.plugins=[]"
+    )
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        """Write ``checkpoint`` to a temporary file beside ``path``, fsync it, and rename it onto ``path``."""
+        if storage_options is not None or get_protocol(str(path)) != "file":
+            # Remote stores (s3://, gs://...) have their own atomic uploads; Lightning's path handles them.
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        # The temporary is gone and the previous file untouched (atomic_write): say so in one line.
+        with disk_errors(path, kept="any previous checkpoint there is intact"):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load with ``weights_only=True`` whatever the caller asks: a checkpoint is data, never code to run."""
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)

@@ -1,0 +1,298 @@
+"""Exact mid-epoch resume for any map-style DataLoader, the user's code unchanged.
+
+An epoch's order is a function of the random states its sampler draws from when the epoch's iterator starts (the
+global torch, Python and NumPy generators, the sampler's or loader's own ``torch.Generator``, a
+``DistributedSampler``'s epoch). ``ResumableIndexSampler`` wraps the loader's batch sampler (or its sampler when the
+loader does not batch) and records those states once per epoch, when the DataLoader creates its iterator (before it
+draws its workers' base seed) and when the sampler starts drawing. They travel in the checkpoint
+(``RNGStateCheckpoint``); on resume the same order is drawn again from them and the batches already trained on are
+skipped as lists of indices: the dataset is not read for them. The DataLoader then draws its workers' base seed from
+the state it drew it from in the uninterrupted run, so worker seeds are the same.
+
+The wrapper lives in a shallow copy of the user's loader (same class, dataset, sampler, collate_fn, generator), made
+where Lightning itself processes the training loader (``Strategy.process_dataloader``); the user's object is not
+changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+import torch.utils.data
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRandomSampler
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional for torch; without it there is no NumPy generator to record
+    np = None
+
+# Samplers whose order is a function of the recorded states alone; another sampler is replayed the same way, and
+# checked at stop time (``order_reproducible``).
+KNOWN_SAMPLERS = (
+    SequentialSampler,
+    torch.utils.data.RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    DistributedSampler,
+    BatchSampler,
+)
+
+
+def global_states() -> dict[str, Any]:
+    """The global torch, Python and NumPy random states, in plain types and tensors (weights-only loadable)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss], "numpy": None}
+    if np is not None:
+        algorithm, keys, pos, has_gauss, cached = np.random.get_state()
+        # Plain types only: a numpy array in a checkpoint breaks torch.load(weights_only=True).
+        keys = torch.from_numpy(keys.astype(np.int64))
+        state["numpy"] = [str(algorithm), keys, int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def restore_global_states(state: dict[str, Any]) -> None:
+    """Put back what ``global_states`` recorded (a training step's dropout draws from these)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if np is not None and state["numpy"] is not None:
+        algorithm, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def capture_states(generators: list[torch.Generator], epoch_samplers: list[Any]) -> dict[str, Any]:
+    """The random states a sampler can draw from: the global ones, its own generators, its epoch."""
+    state = global_states()
+    state["generators"] = [generator.get_state() for generator in generators]
+    state["epochs"] = [int(getattr(sampler, "epoch", 0)) for sampler in epoch_samplers]
+    return state
+
+
+def restore_states(state: dict[str, Any], generators: list[torch.Generator], epoch_samplers: list[Any]) -> None:
+    restore_global_states(state)
+    for generator, saved in zip(generators, state["generators"], strict=True):
+        generator.set_state(saved)
+    for sampler, epoch in zip(epoch_samplers, state["epochs"], strict=True):
+        sampler.set_epoch(epoch)
+
+
+class ResumableIndexSampler(Sampler):
+    """The loader's index sampler (its batch sampler, or its sampler when it does not batch), able to skip batches.
+
+    Behaves as the wrapped one (same items, same length, same draws at the same moments); other attributes
+    (``batch_size``, ``drop_last``, ``sampler``, ``set_epoch``) are the wrapped one's.
+    """
+
+    def __init__(self, inner: Any, generators: list[torch.Generator], epoch_samplers: list[Any]) -> None:
+        self.inner = inner
+        self.generators = generators
+        self.epoch_samplers = epoch_samplers
+        # This epoch's states: when the DataLoader created its iterator, and when the sampler started drawing.
+        self.at_iterator: dict[str, Any] | None = None
+        self.at_order: dict[str, Any] | None = None
+        # The first item of this epoch: a stop checks that the order of a sampler of unknown kind replays.
+        self.first: Any = None
+        self._resume: tuple[dict[str, Any], dict[str, Any], int] | None = None
+        self.resuming = False
+        # Persistent workers, restarted at an epoch's end: the workers' seed of the run's first epoch, once.
+        self._workers_seed_from: dict[str, Any] | None = None
+        self._after_seed: dict[str, Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this object lacks; "inner" itself missing (half-built copy) must not recurse.
+        if name == "inner" or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def resume(self, at_iterator: dict[str, Any], at_order: dict[str, Any], done: int) -> None:
+        """The next epoch replays the epoch drawn from these states and skips its first ``done`` items."""
+        self._resume = (at_iterator, at_order, done)
+        self.resuming = True
+
+    def keep_workers_seed(self, at_iterator: dict[str, Any]) -> None:
+        """Persistent workers were started once, in an earlier epoch: started again, they get the same seed."""
+        self._workers_seed_from = at_iterator
+
+    def before_iterator(self, new: bool, persistent: bool = False) -> None:
+        """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
+        if new and persistent and self._resume is None and self._workers_seed_from is not None:
+            # The seed is drawn from the state it was drawn from when the workers first started; the epoch's order
+            # then from the states training is at (restored at the first item).
+            self._after_seed = capture_states(self.generators, self.epoch_samplers)
+            self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
+            restore_global_states(self.at_iterator)
+            for generator, state in zip(self.generators, self.at_iterator["generators"], strict=True):
+                generator.set_state(state)
+            return
+        self._workers_seed_from = None
+        if self._resume is not None:
+            # The workers' base seed is drawn from the state it was drawn from in the uninterrupted run.
+            at_iterator = self._resume[0]
+            restore_global_states(at_iterator)
+            for generator, state in zip(self.generators, at_iterator["generators"], strict=True):
+                generator.set_state(state)
+        elif new or self.at_iterator is None:
+            self.at_iterator = capture_states(self.generators, self.epoch_samplers)
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: the wrapped sampler draws at the same moment as without the wrapper (its first item). A
+        # DataLoader with workers calls this twice while it builds its iterator and pulls from the second only.
+        if self._resume is not None:
+            yield from self._replay()
+            return
+        if self._after_seed is not None:
+            after, self._after_seed = self._after_seed, None
+            restore_global_states(after)
+            for generator, state in zip(self.generators, after["generators"], strict=True):
+                generator.set_state(state)
+        self.at_order = capture_states(self.generators, self.epoch_samplers)
+        first = True
+        for item in self.inner:
+            if first:
+                self.first, first = _plain(item), False
+            yield item
+
+    def _replay(self) -> Iterator[Any]:
+        assert self._resume is not None
+        at_iterator, at_order, done = self._resume
+        self._resume = None
+        now = capture_states(self.generators, self.epoch_samplers)
+        restore_states(at_order, self.generators, self.epoch_samplers)
+        iterator = iter(self.inner)
+        first = next(iterator, None)  # the sampler draws its order here, from the recorded states
+        self.first = _plain(first)
+        # Skipped as lists of indices: the dataset is not read for them.
+        for _ in islice(iterator, max(0, done - 1)):
+            pass
+        self.at_iterator, self.at_order = at_iterator, at_order
+        # The global generators go on from where training is; the sampler's own from where its order left them.
+        restore_global_states(now)
+        if done == 0 and first is not None:
+            yield first
+        yield from iterator
+
+    def order_reproducible(self) -> bool:
+        """Whether this epoch's first item is drawn again from the recorded states (checked without loading data)."""
+        if self.at_order is None or self.first is None:
+            return True
+        saved = capture_states(self.generators, self.epoch_samplers)
+        try:
+            restore_states(self.at_order, self.generators, self.epoch_samplers)
+            again = _plain(next(iter(self.inner), None))
+        finally:
+            restore_states(saved, self.generators, self.epoch_samplers)
+        return again == self.first
+
+    def known_order(self) -> bool:
+        """Whether every sampler inside is of a kind whose order is a function of the recorded states."""
+        parts = [self.inner, getattr(self.inner, "sampler", None)]
+        return all(part is None or type(part) in KNOWN_SAMPLERS for part in parts)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _resumable_class(cls: type) -> type:
+    """The user's DataLoader class with one addition: its iterator's creation is announced to the index sampler."""
+    if cls not in _SUBCLASSES:
+
+        def __iter__(self: DataLoader) -> Any:  # noqa: N807 - the DataLoader's own method, extended
+            sampler = wrapped(self)
+            if sampler is not None:
+                # With persistent workers only the first epoch creates the iterator (and draws the workers' seed).
+                persistent = self.persistent_workers and self.num_workers > 0
+                sampler.before_iterator(new=not (persistent and self._iterator is not None), persistent=persistent)
+            return super(subclass, self).__iter__()
+
+        subclass = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": __name__})
+        subclass.__qualname__ = cls.__qualname__
+        _SUBCLASSES[cls] = subclass
+    return _SUBCLASSES[cls]
+
+
+def _plain(item: Any) -> Any:
+    if isinstance(item, torch.Tensor):
+        return item.tolist()
+    return list(item) if isinstance(item, (list, tuple)) else item
+
+
+def wrapped(loader: object) -> ResumableIndexSampler | None:
+    """The resumable index sampler of a loader made by ``make_resumable``; None for any other loader."""
+    if not isinstance(loader, DataLoader):
+        return None
+    for sampler in (loader.batch_sampler, loader.sampler):
+        if isinstance(sampler, ResumableIndexSampler):
+            return sampler
+    return None
+
+
+def not_resumable_reason(loader: object) -> str | None:
+    """Why a training loader cannot be put back at its place in an epoch; None where it can."""
+    if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+        return None  # it saves its own place (torchdata's StatefulDataLoader); Lightning restores it
+    if not isinstance(loader, DataLoader):
+        return f"a {type(loader).__name__}, not a torch DataLoader"
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        # A plain DataLoader saves no place in an iterable dataset, whatever the dataset keeps.
+        name = type(dataset).__name__
+        return f"its dataset {name} is an IterableDataset, read by a DataLoader that saves no place in it"
+    return None
+
+
+def make_resumable(loader: object) -> object:
+    """A copy of a map-style DataLoader whose index sampler can replay an epoch and skip into it; others unchanged."""
+    if not isinstance(loader, DataLoader) or wrapped(loader) is not None or not_resumable_reason(loader) is not None:
+        return loader
+    if callable(getattr(loader, "state_dict", None)):
+        return loader  # a stateful loader: Lightning saves and restores its place
+    batching = loader.batch_sampler is not None
+    inner = loader.batch_sampler if batching else loader.sampler
+    samplers = [inner, getattr(inner, "sampler", None), loader.sampler]
+    generators: list[torch.Generator] = []
+    epoch_samplers: list[Any] = []
+    for candidate in [loader.generator, *(getattr(s, "generator", None) for s in samplers)]:
+        if isinstance(candidate, torch.Generator) and all(candidate is not g for g in generators):
+            generators.append(candidate)
+    for sampler in samplers:
+        epochs = callable(getattr(sampler, "set_epoch", None)) and hasattr(sampler, "epoch")
+        if epochs and all(sampler is not s for s in epoch_samplers):
+            epoch_samplers.append(sampler)
+    resumable = copy.copy(loader)
+    # DataLoader refuses to change its samplers after __init__; this is a copy, the user's loader is unchanged.
+    object.__setattr__(resumable, "_iterator", None)
+    wrapper = ResumableIndexSampler(inner, generators, epoch_samplers)
+    object.__setattr__(resumable, "batch_sampler" if batching else "sampler", wrapper)
+    resumable.__class__ = _resumable_class(type(loader))
+    return resumable
+
+
+class RandomSampler(_ResumableRandomSampler, torch.utils.data.RandomSampler):
+    """torchdata's resumable RandomSampler that is also a ``torch.utils.data.RandomSampler``.
+
+    Pass it as ``StatefulDataLoader(dataset, sampler=RandomSampler(dataset))`` where ``shuffle=True`` would go.
+    ``StatefulDataLoader(shuffle=True)`` builds torchdata's own sampler, which is not a torch RandomSampler: under
+    DDP, Lightning then wraps it in a ``DistributedSamplerWrapper``, which draws each rank's order from a sampler
+    seeded differently per rank and keeps no state, so ranks overlap within an epoch and a mid-epoch resume reads
+    other batches. Lightning replaces a torch RandomSampler with a real ``DistributedSampler`` (``shuffle=True``,
+    ``set_epoch`` every epoch), whose order a resume replays; in a single process this sampler saves and restores
+    its place in the epoch itself. The same holds under the command line and under a plain ``Trainer``.
+    """

@@ -1,0 +1,279 @@
+"""Exact resume: every process's random number generator states travel in the checkpoint and come back on resume,
+and checkpoints written on the way (a stop, a periodic save) are written only where Lightning resumes exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+
+from template.engine import internals
+from template.engine.logs.console import Mechanism
+from template.engine.resume.loader import (
+    global_states,
+    make_resumable,
+    not_resumable_reason,
+    restore_global_states,
+    wrapped,
+)
+from template.engine.strategies.devices import process_devices
+
+
+def exact_resume_point(trainer: Trainer) -> bool:
+    """Whether a checkpoint written at the end of the training batch that just ended continues exactly.
+
+    Not between micro-batches (checkpoints hold no accumulated gradients), not at an epoch's last batch and not right
+    before a validation: Lightning resumes from those by skipping the validation or the epoch's end. A stop or a
+    periodic save there waits for the epoch's end or the next batch's end, from which Lightning resumes exactly.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    return not (
+        loop.batch_progress.is_last_batch or internals.accumulating(trainer) or internals.validation_follows(trainer)
+    )
+
+
+class RNGStateCheckpoint(Callback):
+    """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank, and restores them on resume.
+
+    Also puts a map-style training DataLoader back at its place in an epoch (``engine/resumable_loader.py``): the
+    training loader Lightning uses is a copy of the user's whose index sampler records the random states each epoch's
+    order is drawn from; a resume in the middle of an epoch draws that order again and skips the batches already
+    trained on by index. Checkpoints hold only tensors and plain Python values, so they load with
+    ``torch.load(weights_only=True)``.
+    """
+
+    announcement = Mechanism(
+        "random states",
+        "saved in every checkpoint per process, for an exact resume",
+        "always on (it only adds to checkpoints)",
+    )
+
+    def __init__(self) -> None:
+        self._trainer: Trainer | None = None
+        self._pending_samplers: list[torch.Tensor | None] | None = None
+        self._batches_done: int | None = None
+        self._last_batch = False
+        self._restored: dict[str, Any] | None = None
+        # Per training loader: the random states its current epoch was drawn from, from the checkpoint.
+        self._pending_loaders: list[dict[str, Any] | None] = []
+        self._patched: Any = None
+
+    @property
+    def state_key(self) -> str:
+        return "RNGStateCheckpoint"
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        if stage == "fit" and self._patched is None:
+            # Lightning passes every loader through its strategy's process_dataloader after inserting its samplers
+            # and before creating the first iterator: the training loader is replaced there by a resumable copy.
+            strategy = trainer.strategy
+            process = strategy.process_dataloader
+
+            def process_dataloader(dataloader: object) -> object:
+                dataloader = process(dataloader)
+                if trainer.state.stage != RunningStage.TRAINING:
+                    return dataloader
+                # Lightning creates the epoch's first iterator before it sets the samplers' epoch: on a restart in a
+                # later epoch a DistributedSampler would draw epoch 0's order, and a StatefulDataLoader skip into it.
+                _set_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+                return self._resumable(dataloader)
+
+            strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+            self._patched = strategy
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._patched is not None:
+            # Only this instance's attribute goes; the strategy's own method is back.
+            self._patched.__dict__.pop("process_dataloader", None)
+            self._patched = None
+
+    def _resumable(self, dataloader: object) -> object:
+        resumable = make_resumable(dataloader)
+        sampler = wrapped(resumable)
+        pending = self._pending_loaders.pop(0) if self._pending_loaders else None
+        done = self._batches_done
+        if sampler is not None and pending is not None and done and not self._last_batch:
+            # Restarted in the middle of an epoch: its order again, without the batches already trained on.
+            sampler.resume(pending["iterator"], pending["order"], done)
+        elif sampler is not None and pending is not None:
+            sampler.keep_workers_seed(pending["iterator"])
+        return resumable
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.processed
+        # A stop is under way: Lightning's own SIGTERM handling, or Preemption's (its signal's time is public).
+        stopping = trainer.received_sigterm or any(getattr(c, "signalled_at", None) for c in trainer.callbacks)
+        if not stopping or not done or progress.is_last_batch:
+            return
+        # A stop in the middle of an epoch: said now, not after the restart, where the continuation will differ.
+        for index, loader in enumerate(self._train_loaders()):
+            reason = not_resumable_reason(loader)
+            sampler = wrapped(loader)
+            if (
+                reason is None
+                and sampler is not None
+                and not sampler.known_order()
+                and not sampler.order_reproducible()
+            ):
+                reason = (
+                    f"its sampler {type(sampler.inner).__name__} draws an order that the recorded random states do not "
+                    "draw again"
+                )
+            if reason is not None:
+                name = f"{type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
+                rank_zero_info(
+                    f"Not exact: training loader {index} ({name}) cannot be put back at batch {done} of epoch "
+                    f"{trainer.current_epoch}: {reason}; the restart reads this epoch's data again from its start "
+                    f"(about {done} batches read twice, as many not read). See docs/reliability.md, Exact at any step."
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called on every rank while a checkpoint is assembled; rank 0's copy (holding all ranks) is written."""
+        loaders = self._train_loaders()
+        state = _collect(loaders, process_devices(self._trainer.strategy) if self._trainer is not None else [])
+        state["loaders"] = []
+        for loader in loaders:
+            sampler = wrapped(loader)
+            recorded = sampler is not None and sampler.at_iterator is not None and sampler.at_order is not None
+            state["loaders"].append({"iterator": sampler.at_iterator, "order": sampler.at_order} if recorded else None)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, state)
+        else:
+            ranks = [state]
+        return {"world_size": len(ranks), "ranks": ranks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore this rank's generators now; sampler generators once the train dataloader exists."""
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if state_dict["world_size"] != world_size:
+            rank_zero_warn(
+                f"The checkpoint holds random states of {state_dict['world_size']} processes but this run has "
+                f"{world_size}; random states are not restored, so the resumed run will not repeat the original "
+                "one exactly. Resume with the same number of processes for an exact continuation."
+            )
+            return
+        state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
+        devices = process_devices(self._trainer.strategy) if self._trainer is not None else []
+        state = {**state, "cuda": _on_devices(state.get("cuda"), devices)}
+        _restore(state)
+        self._restored = state
+        self._pending_samplers = state["samplers"]
+        self._pending_loaders = list(state.get("loaders") or [])
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Batches of the current epoch already trained on when the checkpoint was written ("processed": a
+        # checkpoint saved from on_train_batch_end has not counted its batch as completed yet).
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+        self._batches_done = progress.get("current", {}).get("processed")
+        self._last_batch = bool(progress.get("is_last_batch", False))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loaders = self._train_loaders()
+        # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
+        # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
+        stateful = bool(loaders) and all(_is_stateful(loader) for loader in loaders)
+        # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
+        replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
+        if (stateful or replayed) and self._restored is not None:
+            # Lightning's restored iterator drew seeds from the global generators, which the uninterrupted run did
+            # before the checkpoint (mid-epoch) or does when the next epoch's iterator starts: restore them again.
+            _restore(self._restored)
+            if trainer.fit_loop.restarted_mid_epoch or replayed:
+                # Lightning (or the replay) put the loader back at its place in the epoch, sampler generator included.
+                self._pending_samplers = None
+        restored, self._restored = self._restored, None
+        rebuild = False
+        if self._pending_samplers is not None:
+            generators = _sampler_generators(loaders)
+            for generator, saved in zip(generators, self._pending_samplers, strict=False):
+                if generator is not None and saved is not None:
+                    generator.set_state(saved)
+                    rebuild = True
+            self._pending_samplers = None
+        if trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end:
+            # Restarted at an epoch's end, Lightning builds the next epoch's iterator before it sets the samplers'
+            # epoch, and not again (a DistributedSampler replays epoch 0's order): set it, and build anew below, from
+            # the random states the uninterrupted run had when it built that iterator (the checkpoint's).
+            for loader in loaders:
+                _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+            if restored is not None:
+                _restore(restored)
+            rebuild = True
+        if rebuild:
+            # Lightning built the epoch's iterator before this hook, from the generators' old states or for the wrong
+            # epoch; a new one draws from the restored states, as the uninterrupted run did.
+            iter(internals.fit_data_fetcher(trainer))
+        # A resumable copy without recorded states (a checkpoint written by an older version) cannot replay.
+        resumed = all(_is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
+        if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
+            done, total = self._batches_done, trainer.num_training_batches
+            rank_zero_warn(
+                f"Resuming in the middle of epoch {trainer.current_epoch} (after {done} of {total} "
+                "batches): this run is not an exact continuation. Lightning cannot skip into a plain DataLoader, so "
+                f"the remaining {total - done} steps of this epoch read the data from the start of an epoch again "
+                f"(on one process in a new shuffled order): about {done} batches' worth of this epoch's samples are "
+                "seen twice and as many are not seen. Later epochs proceed normally. For an exact resume use a "
+                "checkpoint written at the end of an epoch (last.ckpt is written after each validation), or a "
+                "DataLoader that can save its place (torchdata's StatefulDataLoader, as the example data does)."
+            )
+
+    def _train_loaders(self) -> list[DataLoader]:
+        if self._trainer is None:
+            return []
+        loaders: list[DataLoader] = []
+        apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
+        return loaders
+
+
+def _set_epoch(loader: object, epoch: int) -> None:
+    """What Lightning does to a loader's samplers at each epoch's start."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
+def _is_stateful(loader: DataLoader) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | None]:
+    """The explicit generator of each loader's sampler; None where sampling draws from the global torch RNG."""
+    generators = []
+    for loader in loaders:
+        sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+        generator = getattr(sampler, "generator", None)
+        generators.append(generator if isinstance(generator, torch.Generator) else None)
+    return generators
+
+
+def _collect(loaders: list[DataLoader], devices: list[torch.device]) -> dict[str, Any]:
+    state = global_states()
+    # The random state of each GPU this process trains on, in its order (root first): a continuation puts them back
+    # on its own GPUs in that order, whatever CUDA numbers them there. A CPU process saves none and asks CUDA nothing.
+    state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
+    state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
+    return state
+
+
+def _on_devices(saved: dict[str, torch.Tensor] | list[torch.Tensor] | None, devices: list[torch.device]) -> dict:
+    """The checkpoint's GPU random states matched to the GPUs this process trains on now."""
+    gpus = [d for d in devices if d.type == "cuda"]
+    if isinstance(saved, list):  # written by an older version: every visible GPU's state, by CUDA's number
+        return {d: saved[d.index] for d in gpus if d.index is not None and d.index < len(saved)}
+    return dict(zip(gpus, (saved or {}).values(), strict=False))
+
+
+def _restore(state: dict[str, Any]) -> None:
+    """Put back a process's states as ``load_state_dict`` matched them to its devices."""
+    restore_global_states(state)
+    for device, rng_state in state["cuda"].items():
+        torch.cuda.set_rng_state(rng_state, device)

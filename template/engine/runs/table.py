@@ -1,0 +1,270 @@
+"""``python -m template runs [ROOT]``: every run folder in one table, read from the files the runs wrote.
+
+Reads ``provenance.json``, ``config.yaml`` and ``metrics.csv`` only: it imports neither torch nor the user's code,
+so it answers in a moment and works on a machine where the runs' code no longer runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from template.engine.runs import LOGS
+
+# Files any run folder holds; a folder with one of them is a run.
+_RUN_FILES = ("provenance.json", "config.yaml", "metrics.csv")
+# Keys that differ between runs without saying anything about how they differ.
+_IGNORED_KEYS = {"ckpt_path", "run.name"}
+SAMPLES_PER_SEC = "throughput/samples_per_sec"
+
+
+@dataclass
+class RunRow:
+    """One run: what the table shows, and its flattened config for the comparison."""
+
+    name: str
+    status: str = "-"
+    best: str = "-"
+    epochs: str = "-"
+    steps: str = "-"
+    duration: str = "-"
+    samples_per_sec: str = "-"
+    config: dict[str, str] = field(default_factory=dict)
+
+    def cells(self) -> list[str]:
+        return [
+            self.name,
+            self.status,
+            self.best,
+            self.epochs,
+            self.steps,
+            self.duration,
+            self.samples_per_sec,
+        ]
+
+
+HEADER = ["run", "status", "best", "epochs", "steps", "duration", "samples/s"]
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run folders under ``root`` (its ``lightning_logs/`` when it has one), sorted by name; checkpoints skipped."""
+    if (root / LOGS).is_dir():
+        root = root / LOGS
+    found = []
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = sorted(d for d in subdirectories if d != "checkpoints" and not d.startswith("."))
+        if any(name in files for name in _RUN_FILES):
+            found.append(Path(directory))
+    return sorted(found)
+
+
+def read_run(folder: Path, root: Path) -> RunRow:
+    """The table's row for one run folder; what a run did not write stays ``-``."""
+    name = str(folder.relative_to(root)) if folder != root else folder.name
+    row = RunRow(name=name)
+    starts = _read_starts(folder)
+    config = _read_config(folder)
+    metrics = _read_metrics(folder / "metrics.csv")
+    row.config = _flatten(config)
+    row.status = _status(starts, folder)
+    monitor = row.config.get("checkpoint.monitor")
+    mode = row.config.get("checkpoint.mode", "min")
+    values = _column(metrics, monitor) if monitor else []
+    if values:
+        best = max(values) if mode == "max" else min(values)
+        row.best = f"{monitor}={best:.4g}"
+    ended = [s for s in starts if isinstance(s.get("steps"), int)]
+    if ended:
+        # What the trainer counted when the run last stopped: epochs completed (Lightning's current_epoch) and steps.
+        row.epochs, row.steps = str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
+    else:
+        epochs, steps = _column(metrics, "epoch"), _column(metrics, "step")
+        row.epochs = str(int(max(epochs)) + 1) if epochs else "-"
+        row.steps = str(int(max(steps)) + 1) if steps else "-"
+    seconds = sum(_seconds(start) for start in starts)
+    if starts:
+        row.duration = _duration(seconds)
+    speed = _column(metrics, SAMPLES_PER_SEC)
+    if speed:
+        row.samples_per_sec = f"{speed[-1]:.0f}"
+    return row
+
+
+def _read_starts(folder: Path) -> list[dict[str, Any]]:
+    try:
+        starts = json.loads((folder / "provenance.json").read_text())["starts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [s for s in starts if isinstance(s, dict)]
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    # A restart with a changed config writes config.restart-<n>.yaml beside the first: the newest is what ran last.
+    restarts = sorted(folder.glob("config.restart-*.yaml"), key=lambda p: _restart_number(p.name))
+    for path in [*reversed(restarts), folder / "config.yaml"]:
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(loaded, dict):
+            return loaded
+    return {}
+
+
+def _restart_number(name: str) -> int:
+    try:
+        return int(name.removeprefix("config.restart-").removesuffix(".yaml"))
+    except ValueError:
+        return 0
+
+
+def _read_metrics(path: Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv, as many as can be read: a damaged file (binary junk, a row cut by a crash, a
+    header that does not parse) gives what precedes the damage, and cells that are not numbers are skipped later."""
+    rows: list[dict[str, str]] = []
+    try:
+        with path.open(newline="", errors="replace") as f:
+            for row in csv.DictReader(f):
+                rows.append({k: v for k, v in row.items() if isinstance(k, str) and isinstance(v, str)})
+    except (OSError, csv.Error):
+        pass
+    return rows
+
+
+def _column(rows: list[dict[str, str]], name: str) -> list[float]:
+    values = []
+    for row in rows:
+        try:
+            value = float(row.get(name) or "nan")
+        except ValueError:
+            continue
+        if not math.isnan(value):
+            values.append(value)
+    return values
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(value, dict) and value:
+        flat = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    # As YAML spells them: null, true, [1, 2]; strings as they are.
+    return {prefix.rstrip("."): value if isinstance(value, str) else json.dumps(value)}
+
+
+def _status(starts: list[dict[str, Any]], folder: Path) -> str:
+    if not starts:
+        return "interrupted" if (folder / "checkpoints" / "interrupted.ckpt").exists() else "-"
+    last = starts[-1]
+    status = str(last.get("status", "-"))
+    if status == "interrupted":
+        return f"interrupted ({last.get('signal', '?')})"
+    if status == "failed":
+        return f"failed ({last.get('error', '?')})"
+    if status == "running" and not _may_be_running(last):
+        # No end was written: the process was killed (SIGKILL, OOM killer, a lost node).
+        return "killed"
+    return status
+
+
+def _may_be_running(start: dict[str, Any]) -> bool:
+    if start.get("hosts") != [socket.gethostname()] or not isinstance(start.get("pid"), int):
+        return True  # another machine's process: it cannot be checked from here
+    try:
+        os.kill(start["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _seconds(start: dict[str, Any]) -> float:
+    if isinstance(start.get("seconds"), (int, float)):
+        return float(start["seconds"])
+    if start.get("status") == "running":
+        try:
+            return max(0.0, time.time() - datetime.fromisoformat(start["start"]).timestamp())
+        except (KeyError, TypeError, ValueError):
+            return 0.0
+    return 0.0
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def differing_keys(rows: Sequence[RunRow]) -> list[str]:
+    """The config keys whose values are not the same in every run shown (a missing key counts as a value)."""
+    keys = sorted({key for row in rows for key in row.config} - _IGNORED_KEYS)
+    return [key for key in keys if len({row.config.get(key, "-") for row in rows}) > 1]
+
+
+def table(rows: Sequence[RunRow]) -> tuple[list[str], list[list[str]]]:
+    """The header and the cells: the fixed columns, then one column per config key that differs."""
+    keys = differing_keys(rows) if len(rows) > 1 else []
+    return HEADER + keys, [row.cells() + [row.config.get(key, "-") for key in keys] for row in rows]
+
+
+def format_table(header: list[str], cells: list[list[str]], max_width: int = 60) -> str:
+    """Columns aligned with spaces; a cell longer than ``max_width`` is cut with an ellipsis."""
+    cut = [[c if len(c) <= max_width else c[: max_width - 3] + "..." for c in row] for row in [header, *cells]]
+    widths = [max(len(row[i]) for row in cut) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cut]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m template runs [ROOT] [--csv FILE]``."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__name__.split('.')[0]} runs",
+        description="List the run folders under ROOT/lightning_logs (or ROOT): status, best monitored value, epochs, "
+        "steps, duration, samples/s, and the config keys that differ between them.",
+    )
+    parser.add_argument("root", nargs="?", default=".", help="a folder holding lightning_logs/, or run folders")
+    parser.add_argument("--csv", metavar="FILE", help="also write the table to FILE as CSV")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if not root.is_dir():
+        print(f"error: '{root}' is not a folder; pass the folder that holds lightning_logs/", file=sys.stderr)
+        sys.exit(2)
+    base = root / LOGS if (root / LOGS).is_dir() else root
+    rows = [read_run(folder, base) for folder in find_runs(root)]
+    if not rows:
+        print(f"No runs under '{base}' (a run folder holds config.yaml, metrics.csv or provenance.json)")
+        return
+    header, cells = table(rows)
+    print(format_table(header, cells))
+    if args.csv:
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        writer.writerows([header, *cells])
+        _write_csv(args.csv, text.getvalue())
+        print(f"Wrote {args.csv}")
+
+
+def _write_csv(path: str, text: str) -> None:
+    """Atomically: a kill or a full disk leaves the previous file (a failure of the disk is one line, exit 3)."""
+    # Imported here: they import torch, which reading the runs does not need.
+    from template.engine.errors import disk_errors
+    from template.engine.store import atomic_write
+
+    with disk_errors(path, kept="the table is printed above", option="--csv"):
+        atomic_write(path, lambda f: f.write(text.encode()))

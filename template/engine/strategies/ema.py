@@ -1,0 +1,74 @@
+"""``ema.decay``: an exponential moving average of the weights (Lightning's EMAWeightAveraging), off by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import EMAWeightAveraging
+from torch import nn
+from typing_extensions import override
+
+from template.engine.errors import ConfigError
+from template.engine.logs.console import Mechanism
+
+
+class EMA(EMAWeightAveraging):
+    """Lightning's EMAWeightAveraging, copying only the module's state, not the callables it holds.
+
+    The average is a deep copy of the LightningModule. Its optimizer and scheduler factories from the command line
+    reach the whole command line object and, under DDP, the launcher's process handles, which cannot be copied; the
+    average needs only the parameters and buffers, so such callables are left out of the copy.
+    """
+
+    announcement = Mechanism(
+        "ema",
+        "an exponential moving average of the weights, used by validation, checkpoints and export",
+        "--ema.decay=null",
+    )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        held: dict[str, Any] = {
+            name: value
+            for name, value in vars(pl_module).items()
+            if callable(value) and not isinstance(value, nn.Module) and not name.startswith("_")
+        }
+        for name in held:
+            delattr(pl_module, name)
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            for name, value in held.items():
+                setattr(pl_module, name, value)
+
+
+class EMAOptions:
+    """The ``ema`` options: validation, checkpoints' ``state_dict`` and ``export`` use the averaged weights."""
+
+    def __init__(
+        self, decay: float | None = None, update_every_n_steps: int = 1, update_starting_at_step: int | None = None
+    ) -> None:
+        """``decay``: the weight of the average at each update, e.g. 0.999; null (the default) keeps no average.
+
+        ``update_every_n_steps``: update the average every N optimizer steps. ``update_starting_at_step``: start
+        averaging at this step (before it the average follows the weights).
+        """
+        self.decay = decay
+        self.update_every_n_steps = update_every_n_steps
+        self.update_starting_at_step = update_starting_at_step
+
+
+def ema_callbacks(
+    decay: float | None, update_every_n_steps: int = 1, update_starting_at_step: int | None = None
+) -> list:
+    """``[EMAWeightAveraging(...)]`` for a ``decay``, ``[]`` for None; a decay outside (0, 1) is a one-line error."""
+    if decay is None:
+        return []
+    if not 0 < decay < 1:
+        raise ConfigError(f"ema.decay={decay} must be between 0 and 1 (e.g. 0.999), or null for no average")
+    if update_every_n_steps < 1:
+        raise ConfigError(f"ema.update_every_n_steps={update_every_n_steps} must be >= 1")
+    return [
+        EMA(decay=decay, update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step)
+    ]

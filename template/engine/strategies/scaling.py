@@ -1,0 +1,312 @@
+"""One global batch size for every strategy, the learning rate scaled to it, and a summary of the run."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+
+from template.engine.errors import ConfigError
+from template.engine.internals import child_schedulers, last_lr_attribute
+from template.engine.logs.console import Mechanism
+
+LRScaling = Literal["none", "linear", "sqrt"]
+
+# Every learning rate a schedule keeps in the optimizer's param groups (OneCycleLR keeps max_lr and min_lr there).
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+# ...and on the scheduler itself (CyclicLR keeps max_lrs). Floors such as ReduceLROnPlateau's min_lrs stay absolute.
+_SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs")
+
+
+def per_process_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
+    """The DataLoader batch of one process such that one optimizer step sees ``global_batch_size`` samples."""
+    shares = world_size * accumulate_grad_batches
+    if global_batch_size % shares:
+        below = global_batch_size - global_batch_size % shares
+        raise ConfigError(
+            f"scaling.global_batch_size={global_batch_size} does not split into {world_size} process(es) x "
+            f"{accumulate_grad_batches} accumulation step(s) = {shares} equal parts; use a multiple of {shares}, "
+            f"e.g. {below or shares} or {below + shares}"
+        )
+    return global_batch_size // shares
+
+
+def lr_factor(rule: LRScaling, effective_batch_size: int, reference_batch_size: int | None) -> float:
+    """How much the base learning rate is multiplied by for ``effective_batch_size`` under ``rule``."""
+    if rule == "none" or reference_batch_size is None:
+        return 1.0
+    ratio = effective_batch_size / reference_batch_size
+    return ratio if rule == "linear" else math.sqrt(ratio)
+
+
+def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], schedulers: Iterable[Any], factor: float) -> None:
+    """Multiply every learning rate held by the optimizers and their schedulers by ``factor``, in place."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for key in _GROUP_LR_KEYS:
+                if key in group:
+                    group[key] = _times(group[key], factor)
+    pending = list(schedulers)
+    while pending:
+        scheduler = pending.pop()
+        # SequentialLR and ChainedScheduler hold the schedulers that do the work.
+        pending.extend(child_schedulers(scheduler))
+        for attribute in (*_SCHEDULER_LR_ATTRIBUTES, last_lr_attribute(scheduler)):
+            if attribute is None:
+                continue
+            values = getattr(scheduler, attribute, None)
+            if isinstance(values, list):
+                setattr(scheduler, attribute, [_times(v, factor) for v in values])
+
+
+def _times(value: Any, factor: float) -> Any:
+    # A tensor learning rate (capturable/fused optimizers) must stay the same tensor object.
+    return value.mul_(factor) if isinstance(value, torch.Tensor) else value * factor
+
+
+class BatchScaling(Callback):
+    """States the batch once for every strategy, scales the learning rate to it, and records the run summary."""
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        lr_scaling: LRScaling = "none",
+        reference_batch_size: int | None = None,
+    ) -> None:
+        """
+        Args:
+            global_batch_size: samples per optimizer step, summed over all processes and accumulation steps. Each
+                process then loads global / (world size x accumulate_grad_batches); under DataParallel (one
+                process) the whole batch is loaded and split across the devices. None keeps ``data.batch_size``
+                as the batch of each process (the per-device form under DDP).
+            lr_scaling: multiply the optimizer's learning rate by effective / reference batch size (``linear``),
+                by its square root (``sqrt``), or leave it (``none``).
+            reference_batch_size: the batch size the configured learning rate was tuned for.
+        """
+        super().__init__()
+        for name, value in (("global_batch_size", global_batch_size), ("reference_batch_size", reference_batch_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"scaling.{name} must be a positive integer, got {value}")
+        if lr_scaling != "none" and reference_batch_size is None:
+            raise ConfigError(
+                f"scaling.lr_scaling={lr_scaling} needs scaling.reference_batch_size, the batch size the learning "
+                "rate was tuned for; set it, e.g. --scaling.reference_batch_size=64"
+            )
+        self.global_batch_size = global_batch_size
+        self.lr_scaling = lr_scaling
+        self.reference_batch_size = reference_batch_size
+        self.summary: dict[str, Any] = {}
+        # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
+        self._applied_factor = 1.0
+
+    @property
+    def announcement(self) -> Mechanism | None:
+        if self.global_batch_size is None and self.lr_scaling == "none":
+            return None
+        return Mechanism(
+            "batch scaling",
+            "sets data.batch_size from the global batch; scales the learning rate",
+            "--scaling.global_batch_size=null --scaling.lr_scaling=none",
+        )
+
+    def apply_batch_size(self, trainer: Trainer, datamodule: Any, module: Any = None) -> int | None:
+        """Set the batch size from the global batch (idempotent) where Lightning's batch-size finder would; returns
+        the per-process batch.
+
+        Holders, as ``lightning.pytorch.utilities.parsing.lightning_setattr`` finds them: an attribute of the
+        LightningModule, its ``hparams``, an attribute of the DataModule, its ``hparams``; all of them are set. Called
+        by the command line before the module is attached (``module`` None: a holder only in the module is found in
+        ``setup``) and again in ``setup``.
+        """
+        holders = batch_size_holders(module, datamodule)
+        names = " or ".join(type(o).__name__ for o in (datamodule, module) if o is not None) or "the run"
+        if self.global_batch_size is None:
+            batch = _get(holders[-1]) if holders else None
+            if self.lr_scaling != "none" and not isinstance(batch, int) and (holders or module is not None):
+                raise ConfigError(
+                    f"scaling.lr_scaling={self.lr_scaling} needs the batch size, but {names} has no integer "
+                    "`batch_size` (attribute or hparams); set scaling.global_batch_size"
+                )
+            return batch
+        if not holders:
+            if module is None and trainer.lightning_module is None:
+                return None  # the module may hold it: decided in setup, once it is attached
+            raise ConfigError(
+                f"scaling.global_batch_size needs a `batch_size` that the dataloaders use, an attribute or hparams "
+                f"entry of the DataModule or the LightningModule (where Lightning's batch-size finder looks); {names} "
+                "has none: add one or set scaling.global_batch_size=null"
+            )
+        batch = per_process_batch_size(self.global_batch_size, trainer.world_size, trainer.accumulate_grad_batches)
+        # A data.batch_size other than the constructor's default was set on purpose: it would be silently replaced.
+        current = _get(holders[-1])
+        default = _default_batch_size(holders[-1][0])
+        if default is not None and current not in (batch, default):
+            raise ConfigError(
+                f"data.batch_size={current} and scaling.global_batch_size={self.global_batch_size} "
+                f"both set the batch (the global one gives {batch} per process); keep one of them"
+            )
+        for holder in holders:
+            _set(holder, batch)
+        return batch
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Also reached without the command line, when this callback is given to a Trainer directly.
+        self.apply_batch_size(trainer, trainer.datamodule, pl_module)
+        # Fresh optimizers hold the base LR; a checkpoint restored later brings its own factor (load_state_dict).
+        self._applied_factor = 1.0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Runs after Lightning restored the optimizer from a checkpoint: rescaling relative to the factor that
+        # checkpoint already holds applies the rule once, however often the run is resumed.
+        holders = batch_size_holders(pl_module, trainer.datamodule)
+        per_process = _get(holders[-1]) if holders else None
+        if not isinstance(per_process, int):
+            # No holder (or not an integer): the size the training loader batches by.
+            per_process = loader_batch_size(trainer.train_dataloader)
+        shares = trainer.world_size * trainer.accumulate_grad_batches
+        effective = per_process * shares if isinstance(per_process, int) else None
+        factor = lr_factor(self.lr_scaling, effective, self.reference_batch_size) if effective else 1.0
+        if factor != self._applied_factor:
+            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+            scale_learning_rates(trainer.optimizers, schedulers, factor / self._applied_factor)
+            self._applied_factor = factor
+        self.summary = run_summary(trainer, per_process, effective, self)
+        bar = trainer.progress_bar_callback
+        if bar is not None and bar.is_enabled:
+            # Through the bar, which clears its line first: a plain print would continue the bar's line.
+            if trainer.is_global_zero:
+                bar.print(format_summary(self.summary))
+        else:
+            rank_zero_info(format_summary(self.summary))
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"run": self.summary})
+            logger.save()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr_factor": self._applied_factor, "summary": self.summary}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._applied_factor = float(state_dict.get("lr_factor", 1.0))
+
+
+# A holder of the batch size: (the object, None) for an attribute, (the object, its hparams) for an hparams entry.
+Holder = tuple[Any, Any]
+
+
+def batch_size_holders(module: Any, datamodule: Any) -> list[Holder]:
+    """Where the batch size lives, in the order of Lightning's ``_lightning_get_all_attr_holders`` (the batch-size
+    finder's ``lightning_getattr``/``lightning_setattr``): the module, its hparams, the DataModule, its hparams.
+
+    Lightning's own functions need the module attached to a Trainer with the DataModule; the command line asks
+    before that. Lightning reads the last holder and sets all of them.
+    """
+    holders: list[Holder] = []
+    for owner in (module, datamodule):
+        if owner is None:
+            continue
+        if hasattr(owner, "batch_size"):
+            holders.append((owner, None))
+        hparams = getattr(owner, "hparams", None)
+        if hparams is not None and "batch_size" in hparams:
+            holders.append((owner, hparams))
+    return holders
+
+
+def _get(holder: Holder) -> Any:
+    owner, hparams = holder
+    return owner.batch_size if hparams is None else hparams["batch_size"]
+
+
+def _set(holder: Holder, value: int) -> None:
+    owner, hparams = holder
+    if hparams is None:
+        owner.batch_size = value
+    else:
+        hparams["batch_size"] = value
+
+
+def loader_batch_size(loaders: Any) -> int | None:
+    """The batch size of the first training DataLoader: its ``batch_size``, or its batch sampler's."""
+    found: list[DataLoader] = []
+    apply_to_collection(loaders, DataLoader, found.append)
+    for loader in found:
+        size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def run_summary(trainer: Trainer, per_process: int | None, effective: int | None, scaling: BatchScaling) -> dict:
+    """What this run really does, in plain types so it fits in a checkpoint and in hparams.yaml."""
+    devices_per_process = max(1, trainer.num_devices * trainer.num_nodes // trainer.world_size)
+    per_device: int | float | None = None
+    if per_process is not None:
+        # DataParallel splits each process's batch across its devices; elsewhere a process has one device.
+        per_device = per_process / devices_per_process
+        per_device = int(per_device) if per_device.is_integer() else round(per_device, 2)
+    rates = [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups[:1]]
+    rates = [float(rate) for rate in rates]
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    # Who told Lightning the ranks: SLURM, torchrun (TorchElastic) or Lightning's own launcher; none for one device.
+    cluster = getattr(trainer.strategy, "cluster_environment", None)
+    return {
+        "strategy": _strategy_name(trainer),
+        "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
+        "num_nodes": trainer.num_nodes,
+        "devices_per_node": trainer.num_devices,
+        "world_size": trainer.world_size,
+        "cluster_environment": type(cluster).__name__ if cluster is not None else None,
+        "batch_per_device": per_device,
+        "batch_per_process": per_process,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "effective_batch_size": effective,
+        "global_batch_size": scaling.global_batch_size,
+        "lr_scaling": scaling.lr_scaling,
+        "reference_batch_size": scaling.reference_batch_size,
+        "lr_factor": scaling._applied_factor,
+        "lr": rates[0] if len(rates) == 1 else rates,
+        "precision": str(trainer.precision),
+        "seed": int(seed) if seed is not None else None,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as one log line."""
+    s = summary
+    batch = (
+        f"batch {s['batch_per_process']}/process ({s['batch_per_device']}/device) x {s['world_size']} process(es) "
+        f"x {s['accumulate_grad_batches']} accumulation = {s['effective_batch_size']} per optimizer step"
+    )
+    rates = ", ".join(f"{rate:.6g}" for rate in (s["lr"] if isinstance(s["lr"], list) else [s["lr"]]))
+    lr = f"lr {rates}" + (f" ({s['lr_scaling']} scaling x{s['lr_factor']:.4g})" if s["lr_scaling"] != "none" else "")
+    return (
+        f"Run: strategy {s['strategy']} on {s['accelerator']}, {s['num_nodes']} node(s) x {s['devices_per_node']} "
+        f"device(s), world size {s['world_size']}{f' ({env})' if (env := s['cluster_environment']) else ''}; "
+        f"{batch}; {lr}; "
+        f"precision {s['precision']}; seed {s['seed']}"
+    )
+
+
+def _strategy_name(trainer: Trainer) -> str:
+    strategy = trainer.strategy
+    name = getattr(strategy, "strategy_name", None)
+    return name or type(strategy).__name__.removesuffix("Strategy").lower()
+
+
+def _default_batch_size(datamodule: Any) -> Any:
+    """The ``batch_size`` default of the DataModule's constructor, or None when it has none."""
+    try:
+        parameter = inspect.signature(type(datamodule)).parameters.get("batch_size")
+    except (TypeError, ValueError):
+        return None
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default

@@ -1,0 +1,101 @@
+"""``tune lr|batch_size``: Lightning's Tuner on the configured model and data, a config file that the next fit stacks,
+nothing written into run folders; mistakes in one line before anything is written."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import CONFIGS
+
+FIT_LIMITS = [
+    "--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+    "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+]  # fmt: skip
+
+
+def _one_line(done) -> str:  # noqa: ANN001
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith("error:") and done.stderr.count("\n") == 1, done.stderr
+    return done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["tune", "momentum"], "unknown finder 'momentum'; name one first: python -m template tune lr|batch_size"),
+        (["tune"], "unknown finder '--config'; name one first"),
+        (["tune", "batch_size", "--tune.mode=fast"], "argument --tune.mode: invalid choice: 'fast'"),
+        (["tune", "lr", "--tune.num_training=many"], "argument --tune.num_training: invalid int value"),
+    ],
+    ids=["unknown-finder", "no-finder", "unknown-mode", "not-a-number"],
+)
+def test_tune_mistakes_are_one_line_before_anything_is_written(tmp_path: Path, run_main, args, fragment) -> None:  # noqa: ANN001
+    line = _one_line(run_main(*args, "--config", CONFIGS / "default.yaml"))
+    assert fragment in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lr_without_matplotlib_names_the_extra(tmp_path: Path, run_main, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    line = _one_line(run_main("tune", "lr", "--config", CONFIGS / "default.yaml"))
+    assert "matplotlib" in line and "pip install -e '.[sweep]'" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_tune_lr_writes_the_plot_and_a_config_that_fit_uses(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    done = run_cli(
+        "tune", "lr", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=cpu", "--tune.num_training=30",
+        "--tune.output=tuned/lr.yaml",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = yaml.safe_load((tmp_path / "tuned/lr.yaml").read_text())
+    lr = written["model"]["init_args"]["optimizer"]["init_args"]["lr"]  # the example's optimizer argument
+    assert 1e-8 < lr < 1
+    assert f"Suggested learning rate: {lr:.3g} (model.init_args.optimizer.init_args.lr)" in done.stdout, done.stdout
+    assert (tmp_path / "tuned/lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # No run folder, no finder checkpoint: only the data the example prepares and the two files asked for.
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "data", "data/digits.pt", "tuned", "tuned/lr.png", "tuned/lr.yaml",
+    ]  # fmt: skip
+
+    fit = run_cli("fit", "--config", CONFIGS / "default.yaml", "--config", "tuned/lr.yaml", *FIT_LIMITS)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == lr  # Adam trained with the found rate
+
+
+@pytest.mark.slow
+def test_tune_lr_sets_lightning_cli_optimizer_when_the_config_names_one(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    optimizer = ["--optimizer=SGD", "--optimizer.lr=0.5", "--optimizer.momentum=0.9"]
+    done = run_cli(
+        "tune", "lr", "--config", CONFIGS / "default.yaml", *optimizer, "--trainer.accelerator=cpu",
+        "--tune.num_training=20",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lr = yaml.safe_load((tmp_path / "tune-lr.yaml").read_text())["optimizer"]["init_args"]["lr"]
+    fit = run_cli("fit", "--config", CONFIGS / "default.yaml", *optimizer, "--config", "tune-lr.yaml", *FIT_LIMITS)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    group = checkpoint["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == lr and group["momentum"] == 0.9  # SGD as configured, at the found rate
+
+
+@pytest.mark.slow
+def test_tune_batch_size_under_ddp_searches_one_device_and_writes_its_config(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    done = run_cli(
+        "tune", "batch_size", "--config", CONFIGS / "ddp_cpu.yaml", "--tune.max_trials=3",
+        "--trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the finder runs on one" in done.stdout + done.stderr
+    # Power scaling from 2: three trials that all fit on the CPU end at 2 * 2 * 2.
+    assert yaml.safe_load((tmp_path / "tune-batch_size.yaml").read_text()) == {"data": {"init_args": {"batch_size": 8}}}
+    assert "Batch size 8 per process (data.init_args.batch_size)" in done.stdout, done.stdout
+    assert not (tmp_path / "lightning_logs").exists()
+    assert not list(tmp_path.rglob("*.ckpt"))

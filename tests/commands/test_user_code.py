@@ -1,0 +1,259 @@
+"""A user's own net and DataModule from a module outside the package, by YAML alone."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+import template
+from tests.conftest import TESTS, cli_env, pythonpath
+
+PACKAGE = template.__name__
+
+USER_CODE = TESTS / "user_code"
+
+USER_CONFIG = {
+    "trainer": {"max_epochs": 3, "accelerator": "cpu", "enable_progress_bar": False, "log_every_n_steps": 5},
+    "model": {"net": {"class_path": "my_code.TinyNet", "init_args": {"width": 32}}},
+    "data": {"class_path": "my_code.Blobs", "init_args": {"batch_size": 16, "data_dir": "blobs"}},
+}
+
+
+def _last_val_acc(run_dir: Path) -> float:
+    rows = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("val_acc")]
+    return float(rows[-1]["val_acc"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["auto", "ddp"])
+def test_user_net_and_data_train_from_yaml(run_cli, tmp_path, strategy):
+    devices = 2 if strategy == "ddp" else 1
+    config = {**USER_CONFIG, "trainer": {**USER_CONFIG["trainer"], "strategy": strategy, "devices": devices}}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=pythonpath(USER_CODE)))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert _last_val_acc(run_dir) > 0.9
+    # The data's own shape and class count reached the net and the metrics: nothing assumed the digits.
+    hparams = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    assert hparams["net"]["init_args"] == {"input_shape": [5], "num_classes": 3, "width": 32}
+    assert hparams["num_classes"] == 3
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert len(checkpoints) == 2 and "last.ckpt" in checkpoints
+    # prepare_data ran on one process only, also with 2 DDP processes.
+    assert len((tmp_path / "blobs" / "prepare_calls.log").read_text().split()) == 1
+
+
+NET_ARGS = {"width": 32, "input_shape": [2], "num_classes": 1}  # one output: the regression value
+REGRESSION_CONFIG = {
+    "trainer": {"max_epochs": 4, "accelerator": "cpu", "enable_progress_bar": False, "log_every_n_steps": 4},
+    "model": {
+        "class_path": "my_code.Regressor",
+        # The data links reach `model.net`; this module's network is `body`, so its shape is spelled out.
+        "init_args": {"body": {"class_path": "my_code.TinyNet", "init_args": NET_ARGS}, "lr": 0.05},
+    },
+    "data": {"class_path": "my_code.Waves"},
+    # The only lines the project's defaults need from a module that does not log val_acc.
+    "checkpoint": {"monitor": "val_mse", "mode": "min"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["auto", "ddp"])
+def test_user_lightning_module_trains_by_yaml_alone(run_cli, tmp_path, strategy):
+    import torch
+
+    devices = 2 if strategy == "ddp" else 1
+    config = {
+        **REGRESSION_CONFIG,
+        "trainer": {**REGRESSION_CONFIG["trainer"], "strategy": strategy, "devices": devices},
+    }
+    # One optimizer step sees 64 samples either way: 64 on one process, 32 on each of two.
+    config["scaling"] = {"global_batch_size": 64}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    env = cli_env(PYTHONPATH=pythonpath(USER_CODE))
+    result = run_cli("fit", "--config", "user.yaml", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    val_mse = [float(r["val_mse"]) for r in rows if r.get("val_mse")]
+    # The targets' variance is about 1.2: predicting their mean scores that; the trained net does far better.
+    assert len(val_mse) == 4 and val_mse[-1] < min(0.2, val_mse[0])
+    # The data has no num_classes and the net got none: links reach only the arguments a module has.
+    hparams = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    assert hparams["body"]["class_path"] == "my_code.TinyNet" and "num_classes" not in hparams
+    best = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("best-")]
+    assert len(best) == 1 and best[0].name.startswith("best-3-")  # named after val_mse, lowest at the last epoch
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 4 * 6  # 384 training samples / 64 per step, however many processes
+
+    # Resume from the newest checkpoint for one more epoch, and export the user's network by its attribute name.
+    more = run_cli("fit", "--config", "user.yaml", "--trainer.max_epochs=5", "--ckpt_path", "last", env=env)
+    assert more.returncode == 0, more.stderr[-3000:]
+    resumed = torch.load(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 5 * 6
+    exported = run_cli("export", run_dir / "checkpoints" / "last.ckpt", "--output", "body.pt", "--prefix", "body.")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert set(torch.load(tmp_path / "body.pt", weights_only=True)) == {
+        f"body.{i}.{p}" for i in (0, 2) for p in ("weight", "bias")
+    }
+
+
+@pytest.mark.slow
+def test_a_chosen_class_gets_its_own_defaults_not_the_examples(run_cli, tmp_path):
+    # jsonargparse alone would give Waves the digits' batch_size (64) and Regressor nothing of its own.
+    config = {"model": REGRESSION_CONFIG["model"], "data": {"class_path": "my_code.Waves"}}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    env = cli_env(PYTHONPATH=pythonpath(USER_CODE))
+    printed = run_cli("fit", "--config", "user.yaml", "--data.init_args.samples=256", "--print_config", env=env)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    full = yaml.safe_load(printed.stdout)
+    assert full["data"]["init_args"] == {"batch_size": 32, "samples": 256}  # Waves' default; the override stays
+    assert set(full["model"]["init_args"]) == {"body", "lr"}
+
+
+def test_a_module_without_a_checkpoint_section_keeps_last_ckpt_and_says_so(run_cli, tmp_path):
+    # The example's val_acc monitor is the example's: the Regressor logs val_mse and names no monitor.
+    config = {key: value for key, value in REGRESSION_CONFIG.items() if key != "checkpoint"}
+    config["trainer"] = {**config["trainer"], "max_epochs": 1, "limit_train_batches": 3}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=pythonpath(USER_CODE)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert [line for line in output.splitlines() if "no checkpoint.monitor set" in line], output[-3000:]
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+    saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
+    assert saved["checkpoint"]["monitor"] is None
+
+
+def test_a_monitor_the_module_does_not_log_stops_before_training(run_cli, tmp_path):
+    config = {**REGRESSION_CONFIG, "checkpoint": {"monitor": "val_acc", "mode": "max"}}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    result = run_cli("fit", "--config", "user.yaml", env=cli_env(PYTHONPATH=pythonpath(USER_CODE)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for fragment in ("val_acc", "it logs: val_mse", "--checkpoint.monitor=val_mse --checkpoint.mode=min"):
+        assert fragment in errors[0], errors[0]
+    # Stopped after the sanity check: no training step was logged, no checkpoint written.
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert not (run_dir / "checkpoints").exists()
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open())) if (run_dir / "metrics.csv").exists() else []
+    assert not [r for r in rows if r.get("train_mse")]
+
+
+@pytest.mark.parametrize(
+    ("module", "raised", "line"),
+    [
+        ("BrokenStep", KeyError, "error: KeyError raised in your code, BrokenStep.training_step ("),
+        (
+            "WrongShapes",
+            RuntimeError,
+            "error: RuntimeError raised by a library called from your code, WrongShapes.forward",
+        ),
+    ],
+)
+def test_an_exception_from_the_users_code_keeps_its_traceback_after_a_line_naming_their_function(
+    tmp_path, monkeypatch, capsys, module, raised, line
+):
+    from template.engine.commands.cli import main
+
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["template"])
+    config = {
+        "trainer": {"max_epochs": 1, "accelerator": "cpu", "enable_progress_bar": False, "limit_train_batches": 2},
+        "model": {"class_path": f"my_code.{module}", "init_args": {"body": {"class_path": "torch.nn.Linear",
+                  "init_args": {"in_features": 2, "out_features": 1}}}},
+        "data": {"class_path": "my_code.Waves"},
+        "checkpoint": {"monitor": "val_mse"},
+    }  # fmt: skip
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    # Raised as it is: Python prints the whole traceback, the user's frames in it.
+    with pytest.raises(raised):
+        main(["fit", "--config", "user.yaml"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(line) and "my_code.py:" in errors[0], errors
+
+
+def test_a_value_the_users_net_refuses_is_named_before_its_traceback(run_cli, tmp_path):
+    # The example net is the user's code: torch refuses the layer size inside MLP.__init__.
+    (tmp_path / "keep.txt").write_text("the user's file")
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    done = run_cli("fit", "--model.net.init_args.hidden_sizes=[-3]", "--trainer.accelerator=cpu")
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    line = lines[errors[0]]
+    assert "model.init_args.net.init_args.hidden_sizes=[-3]" in line and "template.nets.MLP" in line, line
+    assert "MLP.__init__" in line and "its traceback follows" in line, line
+    # Their traceback follows the line, and ends with their exception, not the parser's message about it.
+    assert errors[0] < lines.index("Traceback (most recent call last):"), done.stderr[-3000:]
+    assert lines[-1].startswith("RuntimeError: Trying to create tensor with negative dimension -3"), lines[-1]
+    assert "Does not validate against any of the Union subtypes" not in done.stderr
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before, "the failed command wrote files"
+
+
+def test_a_value_the_users_class_refuses_itself_is_named_with_its_exception(tmp_path, monkeypatch, capsys):
+    from template.engine.commands.cli import main
+
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["template"])
+    # ConvNet raises its own ValueError for the 1-D samples of the user's data (input_shape comes by the data's link).
+    with pytest.raises(ValueError, match=r"ConvNet needs input_shape \(channels, height, width\), got \(5,\)"):
+        main(["fit", "--model.net=template.nets.ConvNet", "--data=my_code.Blobs", "--trainer.accelerator=cpu"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("error: model.init_args.net.init_args.input_shape=[5] refused while building "), errors
+    assert "(template.nets.ConvNet): ValueError raised in your code, ConvNet.__init__ (" in errors[0], errors
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "parses"),
+    [
+        ([], 1),  # the classes the config file names by class_path
+        (["--data=my_code.Blobs"], 1),  # an option naming another class: the last one wins
+        (["--data.class_path", f"{PACKAGE}.data.DigitsDataModule"], 1),  # back to the example's
+    ],
+)
+def test_a_chosen_class_is_parsed_once_when_named_by_class_path(tmp_path, monkeypatch, options, parses):  # noqa: ANN001
+    # The classes a config names are the defaults before the only parse; the result is that of parsing twice.
+    from template.engine.commands import cli
+
+    config = {"model": REGRESSION_CONFIG["model"], "data": {"class_path": "my_code.Waves"}}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    calls, configs = [], []
+    parse = cli.CLI._parse
+
+    def counted(self, parser, args):  # noqa: ANN001, ANN202
+        calls.append(args)
+        parse(self, parser, args)
+
+    class Parsed(Exception):
+        pass
+
+    def stop(self):  # noqa: ANN001, ANN202
+        configs.append(self.config)
+        raise Parsed
+
+    monkeypatch.setattr(cli.CLI, "_parse", counted)
+    monkeypatch.setattr(cli.CLI, "before_instantiate_classes", stop)
+    with pytest.raises(Parsed):
+        cli.build_cli(["fit", "--config", "user.yaml", *options])
+    assert len(calls) == parses
+    fit = configs[0]["fit"]
+    data = {"": ("Waves", {"batch_size": 32, "samples": 512}), "--data=my_code.Blobs": ("Blobs", None)}
+    expected, init_args = data.get("".join(options), ("DigitsDataModule", None))
+    assert fit["data"]["class_path"].endswith(expected)
+    if init_args is not None:
+        assert dict(vars(fit["data"]["init_args"])) == init_args  # Waves' own defaults, not the digits' batch_size

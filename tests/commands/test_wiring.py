@@ -1,0 +1,113 @@
+"""What the command line adds to a Trainer: each piece is on by default, listed in the first lines, and switches off."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch import Trainer
+
+from template.engine.commands import wiring
+from template.engine.jobs.preemption import Preemption
+from template.engine.logs import console
+from template.engine.logs.console import first_lines
+from template.engine.logs.loggers import LogsBeforeCheckpoints
+from template.engine.logs.trackers import TrackerRuns
+from template.engine.resume.checkpoints import AtomicCheckpointIO
+from template.engine.resume.continuation import Run
+from template.engine.runs.provenance import Provenance
+from template.engine.strategies import DataParallelStrategy, FSDP2Strategy
+from template.engine.strategies.compile import CompileNetwork
+from template.engine.strategies.ema import EMA, EMAOptions
+from template.engine.strategies.scaling import BatchScaling
+
+
+def _trainer(subcommand: str = "fit", **trainer_config: object) -> Trainer:
+    """A Trainer with what the command line adds for ``trainer_config`` (as the parsed config holds it)."""
+    run = Run(None, None, None, resume=False, preemption=trainer_config.pop("preemption", True))
+    pieces = {**wiring.plugins(trainer_config), **wiring.callbacks(trainer_config, subcommand, run, None)}
+    return Trainer(accelerator="cpu", logger=False, **{**trainer_config, **pieces})
+
+
+def test_first_lines_name_the_changes_to_user_objects_and_their_switches() -> None:
+    text = first_lines(_trainer(strategy=FSDP2Strategy(), devices=2), fit=True)
+    for name, switch in [
+        ("fsdp", "another trainer.strategy"),
+        ("preemption", "--run.preemption=false"),
+        ("atomic checkpoints", "--trainer.plugins=[]"),
+        ("checkpoints", "--checkpoint.monitor="),
+    ]:
+        assert any(line.strip().startswith(name) and switch in line for line in text.splitlines()), (name, text)
+
+
+@pytest.mark.parametrize(
+    ("switch", "gone"),
+    [
+        ({"preemption": False}, ("preemption",)),
+        ({"plugins": []}, ("atomic checkpoints",)),
+        ({"enable_progress_bar": False}, ("progress bar",)),
+    ],
+)
+def test_a_switched_off_mechanism_is_not_announced(switch: dict, gone: tuple) -> None:
+    before = first_lines(_trainer(), fit=True)
+    after = first_lines(_trainer(**switch), fit=True)
+    for name in gone:
+        assert f"  {name} " in before and f"  {name} " not in after, name
+
+
+def test_evaluation_announces_no_training_mechanism() -> None:
+    text = first_lines(_trainer("validate"), fit=False)
+    assert "preemption" not in text and "periodic checkpoint" not in text and "only last.ckpt" not in text
+
+
+def test_an_idle_object_announces_nothing() -> None:
+    idle = [CompileNetwork(enabled=False), BatchScaling()]
+    assert [c.announcement for c in idle] == [None, None]
+    busy = [CompileNetwork(enabled=True), BatchScaling(global_batch_size=64), DataParallelStrategy()]
+    assert [c.announcement.name for c in busy] == ["compile", "batch scaling", "dp"]
+
+
+def test_pieces_follow_their_switches() -> None:
+    run = Run(None, None, None, resume=False)
+    added = wiring.callbacks({}, "fit", run, "val_acc")["callbacks"]
+    kinds = [type(c) for c in added]
+    assert kinds == [
+        console.TimedProgressBar,
+        console.MonitorCheck,
+        LogsBeforeCheckpoints,
+        Preemption,
+        Provenance,
+    ]
+    quiet = Run(None, None, None, resume=False, preemption=False)
+    kinds = [type(c) for c in wiring.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
+    assert kinds == [LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder
+    averaged = [type(c) for c in wiring.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]]
+    # A stop's checkpoint at a batch's end holds that batch's update of the average.
+    assert averaged.index(EMA) < averaged.index(Preemption)
+    assert wiring.callbacks({"enable_progress_bar": False}, "validate", run, "val_acc") == {}
+    assert isinstance(wiring.plugins({})["plugins"][0], AtomicCheckpointIO)
+    assert wiring.plugins({"plugins": []}) == {}
+
+
+def test_tracker_runs_come_with_a_tracker(tmp_path) -> None:  # noqa: ANN001
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install -e '.[mlflow]'")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    run = Run(None, None, None, resume=False, preemption=False)
+    tracker = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # built lazily: nothing is written
+    added = [type(c) for c in wiring.callbacks({}, "fit", run, None, trackers=[tracker])["callbacks"]]
+    assert TrackerRuns in added
+    assert TrackerRuns not in [type(c) for c in wiring.callbacks({}, "fit", run, None)["callbacks"]]
+
+
+def test_monitor_check_waits_for_training_metrics_and_names_what_is_logged() -> None:
+    from types import SimpleNamespace
+
+    from template.engine.errors import ConfigError
+
+    after_sanity = SimpleNamespace(callback_metrics={"val_mse": 1.0}, sanity_checking=True)
+    console.MonitorCheck({"checkpoint.monitor": "train_mse"}).on_sanity_check_end(
+        after_sanity, None
+    )  # not logged before training: wait
+    with pytest.raises(ConfigError, match=r"it logs: val_mse\); .*--checkpoint.monitor=val_mse --checkpoint.mode=min"):
+        console.MonitorCheck({"checkpoint.monitor": "val_acc"}).on_sanity_check_end(after_sanity, None)
+    after_epoch = SimpleNamespace(callback_metrics={"train_mse": 1.0, "val_mse": 1.0}, sanity_checking=False)
+    console.MonitorCheck({"checkpoint.monitor": "train_mse"}).on_validation_end(after_epoch, None)

@@ -1,0 +1,202 @@
+"""Resuming at an epoch boundary repeats the uninterrupted run bit for bit; mid-epoch resume warns what repeats."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
+
+from template.engine.resume.checkpoints import AtomicCheckpointIO
+from template.engine.resume.states import RNGStateCheckpoint
+from template.engine.runs.folder import newest_under
+from tests.conftest import CONFIGS, PACKAGE, cli_env, pythonpath
+
+# Shuffled batches and dropout (the MLP's default 0.1) both draw random numbers: exactly what resume must restore.
+FAST = [
+    "fit", "--config", str(CONFIGS / "default.yaml"), "--trainer.accelerator=cpu", "--trainer.deterministic=true",
+    "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+]  # fmt: skip
+
+
+def _last(run_dir: Path) -> dict:
+    versions = sorted((run_dir / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    return torch.load(versions[-1] / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    """Largest absolute difference over all weights and all optimizer state tensors; inf if the structure differs."""
+    pairs = [(a["state_dict"], b["state_dict"])]
+    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
+        assert opt_a["state"].keys() == opt_b["state"].keys()
+        pairs += [(opt_a["state"][k], opt_b["state"][k]) for k in opt_a["state"]]
+    worst = 0.0
+    for x, y in pairs:
+        assert x.keys() == y.keys()
+        for k in x:
+            tx, ty = torch.as_tensor(x[k]).double(), torch.as_tensor(y[k]).double()
+            worst = max(worst, (tx - ty).abs().max().item())
+    return worst
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two epochs without interruption, also keeping a mid-epoch checkpoint (after step 3 of 8)."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    extra = {
+        "trainer": {
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": "mid", "every_n_train_steps": 3, "save_top_k": -1, "filename": "{step}"},
+                }
+            ]
+        }
+    }
+    (run_dir / "mid.yaml").write_text(yaml.safe_dump(extra))
+    command = [sys.executable, "-m", PACKAGE, *FAST, "--config", "mid.yaml", "--trainer.max_epochs=2"]
+    done = subprocess.run(command, cwd=run_dir, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_resume_at_epoch_boundary_is_bit_exact(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    first = run_cli(*FAST, "--trainer.max_epochs=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(*FAST, "--trainer.max_epochs=2", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "lightning_logs/version_0/checkpoints/last.ckpt" in resumed.stdout + resumed.stderr
+    reference, result = _last(straight), _last(tmp_path)
+    assert result["global_step"] == reference["global_step"] == 16
+    difference = _max_difference(reference, result)
+    print(f"\nmax parameter/optimizer-state difference after resuming at the epoch boundary: {difference}")
+    assert difference == 0.0
+
+    # The same resume without the saved random states drifts away: the states are what makes it exact.
+    control = tmp_path / "control"
+    control.mkdir()
+    checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    del checkpoint["callbacks"]["RNGStateCheckpoint"]
+    torch.save(checkpoint, control / "no_rng.ckpt")
+    drifted = run_cli(*FAST, "--trainer.max_epochs=2", "--ckpt_path", "no_rng.ckpt", cwd=control)
+    assert drifted.returncode == 0, drifted.stderr[-3000:]
+    assert _max_difference(reference, _last(control)) > 0
+
+
+def test_mid_epoch_resume_is_bit_exact(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    # The example data's StatefulDataLoader saves its place in the epoch: the rest of epoch 0 reads exactly the
+    # batches the uninterrupted run read after step 3.
+    shutil.copy(straight / "mid" / "step=3.ckpt", tmp_path / "mid.ckpt")
+    resumed = run_cli(*FAST, "--trainer.max_epochs=2", "--ckpt_path", "mid.ckpt", env=cli_env(PYTHONWARNINGS="default"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming in the middle of epoch" not in resumed.stderr
+    difference = _max_difference(_last(straight), _last(tmp_path))
+    print(f"\nmax parameter/optimizer-state difference after resuming mid-epoch (step 3 of 8): {difference}")
+    assert difference == 0.0
+
+
+# A user's DataModule with a plain DataLoader, which cannot be put back at its place in an epoch.
+PLAIN_DATA = f"""
+from torch.utils.data import DataLoader
+
+from {PACKAGE}.data import DigitsDataModule, collate_batch
+
+
+class PlainDigits(DigitsDataModule):
+    def train_dataloader(self):
+        return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True, collate_fn=collate_batch)
+"""
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_of_a_plain_dataloader_warns_what_repeats(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    (tmp_path / "plain_data.py").write_text(PLAIN_DATA)
+    # The same step-3 checkpoint as a plain-DataLoader run writes it: without a loader state.
+    checkpoint = torch.load(straight / "mid" / "step=3.ckpt", weights_only=True)
+    del checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    torch.save(checkpoint, tmp_path / "mid.ckpt")
+    # cli_env() silences Python warnings; this test is about one.
+    env = cli_env(PYTHONWARNINGS="default", PYTHONPATH=pythonpath(tmp_path))
+    resumed = run_cli(
+        *FAST, "--data.class_path=plain_data.PlainDigits", "--trainer.max_epochs=1", "--ckpt_path", "mid.ckpt", env=env
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    text = " ".join(resumed.stderr.split())
+    assert "Resuming in the middle of epoch 0 (after 3 of 8 batches)" in text
+    assert "the remaining 5 steps" in text and "seen twice" in text
+
+
+def test_ckpt_path_last_picks_the_newest_checkpoint(tmp_path: Path) -> None:
+    old = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    new = tmp_path / "lightning_logs" / "version_1" / "checkpoints"
+    for directory in (old, new):
+        directory.mkdir(parents=True)
+    (old / "last.ckpt").write_bytes(b"0")
+    (new / "best-0.ckpt").write_bytes(b"1")
+    (new / "last.ckpt").write_bytes(b"1")
+    for age, path in enumerate([new / "last.ckpt", new / "best-0.ckpt", old / "last.ckpt"]):
+        stamp = 1_700_000_000 - 10 * age
+        os.utime(path, (stamp, stamp))
+    assert Path(newest_under(tmp_path)) == new / "last.ckpt"
+
+
+class _Tiny(LightningModule):
+    """Dropout and a shuffled loader whose sampler draws from its own generator, not the global RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        data = TensorDataset(torch.arange(64.0).reshape(16, 4) / 64)
+        return DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+
+
+def _fit(tmp_path: Path, epochs: int, ckpt_path: Path | None = None) -> _Tiny:
+    seed_everything(0)
+    model = _Tiny()
+    trainer = Trainer(
+        max_epochs=epochs, callbacks=[RNGStateCheckpoint()], plugins=[AtomicCheckpointIO()], deterministic=True,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model, ckpt_path=ckpt_path)
+    trainer.save_checkpoint(tmp_path / f"epoch{epochs}.ckpt")
+    return model
+
+
+def test_sampler_generator_state_is_restored(tmp_path: Path) -> None:
+    straight = _fit(tmp_path / "a", epochs=2)
+    _fit(tmp_path / "b", epochs=1)
+    resumed = _fit(tmp_path / "b", epochs=2, ckpt_path=tmp_path / "b" / "epoch1.ckpt")
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    saved = torch.load(tmp_path / "b" / "epoch1.ckpt", weights_only=True)["callbacks"]["RNGStateCheckpoint"]
+    assert saved["ranks"][0]["samplers"][0] is not None  # the loader's own generator was saved, not only global RNG
+
+
+def test_last_ckpt_holds_the_last_step_when_the_score_stops_improving(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    """A learning rate of 0: every validation scores the same, so no best-* checkpoint follows the first. Lightning
+    2.6 then stops writing last.ckpt; the finished run's last.ckpt must still be its end, which the same command
+    continues from (here: nothing more to train)."""
+    zero = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.lr=0", "--trainer.max_epochs=3", "--run.name=flat"]
+    done = run_cli(*FAST, *zero)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = tmp_path / "lightning_logs" / "flat" / "checkpoints"
+    assert [p.name.split("-")[1] for p in folder.glob("best-*.ckpt")] == ["0"], "a later validation scored higher"
+    last = torch.load(folder / "last.ckpt", weights_only=True)
+    assert (last["global_step"], last["epoch"]) == (24, 2), "last.ckpt is not the run's end"
