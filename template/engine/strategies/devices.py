@@ -71,6 +71,34 @@ def parse_free_request(devices: Any) -> FreeRequest | None:
     return FreeRequest(text, count, min_free)
 
 
+def gpu_indices(devices: Any, visible: int) -> list[int]:
+    """The GPU indices a ``trainer.devices`` value asks for, read as Lightning reads it: N (or "N") the first N, a
+    list (or "0,2") those, -1 and "auto" all ``visible`` ones. A ``free:N`` request is resolved to a list first."""
+    if _every_gpu(devices):
+        return list(range(visible))
+    try:
+        if isinstance(devices, str):
+            text = devices.strip()
+            devices = [int(part) for part in text.split(",") if part.strip()] if "," in text else int(text)
+        return list(range(devices)) if isinstance(devices, int) else [int(index) for index in devices]
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"trainer.devices={devices!r} is not a number of devices, a list of GPU indices, -1, auto or free:N; "
+            "e.g. devices: 2 or devices: [0, 1]"
+        ) from None
+
+
+def gpu_count(devices: Any) -> int | None:
+    """How many GPUs a ``trainer.devices`` value asks for (``free:N`` included); None for all visible (-1, auto)."""
+    if (request := parse_free_request(devices)) is not None:
+        return request.count
+    return None if _every_gpu(devices) else len(gpu_indices(devices, 0))
+
+
+def _every_gpu(devices: Any) -> bool:
+    return devices in (None, -1) or (isinstance(devices, str) and devices.strip().lower() in ("auto", "-1"))
+
+
 def _integer(text: str | None, default: int) -> int:
     try:
         return int(text) if text is not None else default

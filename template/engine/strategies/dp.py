@@ -20,6 +20,7 @@ from typing_extensions import override
 from template.engine.errors import ConfigError
 from template.engine.internals import eager_call, is_compiled_in_place, layer_sync_enabled, set_compiled_call
 from template.engine.logs.console import Mechanism
+from template.engine.strategies.devices import gpu_indices
 
 # Shipped with the project: the data-parallel run that needs no GPU.
 CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"
@@ -253,22 +254,10 @@ def check_dp_settings(
             f"strategy dp needs CUDA GPUs but this process sees none (torch.cuda.device_count() is 0{note}); "
             f"to train data-parallel on CPU use --config {CPU_ALTERNATIVE} (strategy ddp over CPU processes)"
         )
-    missing = [index for index in _requested_gpus(devices, visible) if not 0 <= index < visible]
+    missing = [index for index in gpu_indices(devices, visible) if not 0 <= index < visible]
     if missing:
         note = f" (CUDA_VISIBLE_DEVICES={hidden} renumbers them from 0)" if hidden else ""
         raise ConfigError(
             f"trainer.devices={devices} asks for GPU index {', '.join(map(str, missing))} but this process sees "
             f"{visible} GPU(s), indices {list(range(visible))}{note}; list only those"
         )
-
-
-def _requested_gpus(devices: Any, visible: int) -> list[int]:
-    """GPU indices a ``trainer.devices`` value asks for, read the way Lightning reads it (-1 and "auto" = all)."""
-    if isinstance(devices, str):
-        text = devices.strip()
-        if text == "auto":
-            return list(range(visible))
-        devices = [int(part) for part in text.split(",") if part.strip()] if "," in text else int(text)
-    if isinstance(devices, int):
-        return list(range(visible)) if devices == -1 else list(range(devices))
-    return [int(index) for index in devices]
