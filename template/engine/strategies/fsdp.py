@@ -28,6 +28,7 @@ from template.engine.internals import (
     checkpoint_wrapper,
     materialize_meta_module,
     optimizers_to_device,
+    set_data_parallel_size,
 )
 from template.engine.logs.console import Mechanism
 from template.engine.store import atomic_torch_save, replace_directory
@@ -86,7 +87,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Every process is one data-parallel shard (ModelParallelStrategy's "auto" would make it one per node).
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     @override
@@ -224,19 +225,20 @@ def shard(
     """Shard ``module`` in place: each unit, then the root; returns the units' names (for the run's first lines)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    checkpointed = _matching(module, checkpoint_layers, "checkpoint_layers")
-    for name, child in checkpointed:
+    units = [name for name, _ in _units(module, shard_layers)]
+    for name, child in _matching(module, checkpoint_layers, "checkpoint_layers"):
         parent_name, _, attribute = name.rpartition(".")
         setattr(module.get_submodule(parent_name), attribute, checkpoint_wrapper(child))
-    units = _units(module, shard_layers)  # after the wrapping: a checkpointed unit is its wrapper
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if policy is not None:
         options["mp_policy"] = policy
-    for _, unit in units:
-        fully_shard(unit, **options)
+    for name in units:
+        # Looked up after the wrapping: a checkpointed unit is sharded with its wrapper, whose attributes lead on to
+        # the module inside it.
+        fully_shard(module.get_submodule(name), **options)
     fully_shard(module, **options)
-    return [name for name, _ in units] or ["no sub-module"]
+    return units or ["no sub-module"]
 
 
 def _units(module: nn.Module, shard_layers: list[str] | None) -> list[tuple[str, nn.Module]]:
@@ -260,7 +262,7 @@ def _matching(module: nn.Module, names: list[str], option: str) -> list[tuple[st
     for name, child in module.named_modules():
         if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
             continue
-        cls = type(getattr(child, "_checkpoint_wrapped_module", child))
+        cls = type(child)
         if cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names:
             found.append((name, child))
     if not found:

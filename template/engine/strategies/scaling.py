@@ -105,7 +105,7 @@ class BatchScaling(Callback):
         self.reference_batch_size = reference_batch_size
         self.summary: dict[str, Any] = {}
         # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
-        self._applied_factor = 1.0
+        self.applied_lr_factor = 1.0
 
     @property
     def announcement(self) -> Mechanism | None:
@@ -161,7 +161,7 @@ class BatchScaling(Callback):
         # Also reached without the command line, when this callback is given to a Trainer directly.
         self.apply_batch_size(trainer, trainer.datamodule, pl_module)
         # Fresh optimizers hold the base LR; a checkpoint restored later brings its own factor (load_state_dict).
-        self._applied_factor = 1.0
+        self.applied_lr_factor = 1.0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Runs after Lightning restored the optimizer from a checkpoint: rescaling relative to the factor that
@@ -174,10 +174,10 @@ class BatchScaling(Callback):
         shares = trainer.world_size * trainer.accumulate_grad_batches
         effective = per_process * shares if isinstance(per_process, int) else None
         factor = lr_factor(self.lr_scaling, effective, self.reference_batch_size) if effective else 1.0
-        if factor != self._applied_factor:
+        if factor != self.applied_lr_factor:
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-            scale_learning_rates(trainer.optimizers, schedulers, factor / self._applied_factor)
-            self._applied_factor = factor
+            scale_learning_rates(trainer.optimizers, schedulers, factor / self.applied_lr_factor)
+            self.applied_lr_factor = factor
         self.summary = run_summary(trainer, per_process, effective, self)
         bar = trainer.progress_bar_callback
         if bar is not None and bar.is_enabled:
@@ -191,10 +191,10 @@ class BatchScaling(Callback):
             logger.save()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr_factor": self._applied_factor, "summary": self.summary}
+        return {"lr_factor": self.applied_lr_factor, "summary": self.summary}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._applied_factor = float(state_dict.get("lr_factor", 1.0))
+        self.applied_lr_factor = float(state_dict.get("lr_factor", 1.0))
 
 
 # A holder of the batch size: (the object, None) for an attribute, (the object, its hparams) for an hparams entry.
@@ -271,7 +271,7 @@ def run_summary(trainer: Trainer, per_process: int | None, effective: int | None
         "global_batch_size": scaling.global_batch_size,
         "lr_scaling": scaling.lr_scaling,
         "reference_batch_size": scaling.reference_batch_size,
-        "lr_factor": scaling._applied_factor,
+        "lr_factor": scaling.applied_lr_factor,
         "lr": rates[0] if len(rates) == 1 else rates,
         "precision": str(trainer.precision),
         "seed": int(seed) if seed is not None else None,
