@@ -87,8 +87,11 @@ def _first_reason(details: str) -> str:
     details = details.strip(" -")
     if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
         return f"expected one of {', '.join(choices)}"
-    if types := re.findall(r"Expected a <class '([\w.]+)'>", details):
-        return "expected " + " or ".join("null" if t == "NoneType" else t for t in types)
+    # A restricted type (PositiveInt, OpenUnitInterval) says "Not of type T: ... restriction v>0".
+    rule = re.search(r"does not conform to restriction (.+?)(?= - |$)", details)
+    if types := re.findall(r"Expected a <class '([\w.]+)'>|Not of type (\w+)", details):
+        names = [(f"{r} ({rule.group(1)})" if rule else r) if r else "null" if t == "NoneType" else t for t, r in types]
+        return "expected " + " or ".join(names)
     return details[:300]
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -77,9 +78,9 @@ class BatchScaling(Callback):
 
     def __init__(
         self,
-        global_batch_size: int | None = None,
+        global_batch_size: PositiveInt | None = None,
         lr_scaling: LRScaling = "none",
-        reference_batch_size: int | None = None,
+        reference_batch_size: PositiveInt | None = None,
     ) -> None:
         """
         Args:
@@ -92,17 +93,16 @@ class BatchScaling(Callback):
             reference_batch_size: the batch size the configured learning rate was tuned for.
         """
         super().__init__()
-        for name, value in (("global_batch_size", global_batch_size), ("reference_batch_size", reference_batch_size)):
-            if value is not None and value < 1:
-                raise ConfigError(f"scaling.{name} must be a positive integer, got {value}")
         if lr_scaling != "none" and reference_batch_size is None:
             raise ConfigError(
                 f"scaling.lr_scaling={lr_scaling} needs scaling.reference_batch_size, the batch size the learning "
                 "rate was tuned for; set it, e.g. --scaling.reference_batch_size=64"
             )
-        self.global_batch_size = global_batch_size
+        # Plain numbers: the parser's PositiveInt is a subclass that hparams.yaml and a weights-only checkpoint
+        # cannot hold.
+        self.global_batch_size = None if global_batch_size is None else int(global_batch_size)
         self.lr_scaling = lr_scaling
-        self.reference_batch_size = reference_batch_size
+        self.reference_batch_size = None if reference_batch_size is None else int(reference_batch_size)
         self.summary: dict[str, Any] = {}
         # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
         self.applied_lr_factor = 1.0
