@@ -1,9 +1,6 @@
-"""``strategy: fsdp``: parameters, gradients and optimizer states sharded over the processes (FSDP2, torch's
-``fully_shard``) through Lightning's ``ModelParallelStrategy``; it runs on CPUs (gloo) as on GPUs (NCCL).
-
-Lightning's own ``fsdp`` (FSDP1) needs CUDA and wraps modules; FSDP2 shards the parameters in place as DTensors, so a
-network's attributes, ``state_dict`` keys and ``net.pt`` exports stay those of the plain network.
-"""
+"""``strategy: fsdp``: FSDP2 (torch's ``fully_shard``) through Lightning's ``ModelParallelStrategy``, on CPUs (gloo)
+as on GPUs (NCCL). Unlike Lightning's ``fsdp`` (FSDP1: CUDA only, wraps modules) it shards parameters in place, so
+attribute names, ``state_dict`` keys and exports stay those of the plain network."""
 
 from __future__ import annotations
 
@@ -96,13 +93,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if not is_sharded(self.model):
+            bf16 = self.precision_plugin.precision == "bf16-mixed"
+            mesh = self.device_mesh["data_parallel"]
             layers = shard(
-                self.model,
-                self.device_mesh["data_parallel"],
-                self.shard_layers,
-                self.checkpoint_layers,
-                self.reshard_after_forward,
-                bf16=self.precision_plugin.precision == "bf16-mixed",
+                self.model, mesh, self.shard_layers, self.checkpoint_layers, self.reshard_after_forward, bf16
             )
             units = ", ".join(layers)
             rank_zero_info(
@@ -171,8 +165,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def is_fsdp(strategy: Any) -> bool:
-    """Whether a ``trainer.strategy`` value selects this strategy: its registry name, an instance, or a parsed
-    ``class_path`` config."""
+    """Whether a ``trainer.strategy`` value (name, instance or ``class_path`` config) selects this strategy."""
     if isinstance(strategy, str):
         return strategy.strip().lower() == FSDP2Strategy.strategy_name
     class_path = strategy.get("class_path") if isinstance(strategy, Mapping) else getattr(strategy, "class_path", None)
@@ -198,8 +191,7 @@ def check_fsdp_trainer_config(trainer: Mapping[str, Any]) -> None:
 
 
 def check_ema(ema_decay: float | None, strategy: Any) -> None:
-    """Refuse an average of the weights (``ema``) under fsdp: it would be kept whole in every process, the memory
-    sharding saves, and written into the checkpoint's unsharded part."""
+    """Refuse ``ema`` under fsdp: the average would be whole in every process (the memory sharding saves)."""
     if ema_decay is not None and is_fsdp(strategy):
         raise ConfigError(
             f"ema.decay={ema_decay} is not supported with strategy fsdp (the average would be a whole copy of the "
@@ -208,7 +200,7 @@ def check_ema(ema_decay: float | None, strategy: Any) -> None:
 
 
 def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` holds sharded (DTensor) parameters: its ``configure_model`` sharded it."""
+    """Whether ``module`` holds sharded (DTensor) parameters, e.g. sharded by its own ``configure_model``."""
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
@@ -229,13 +221,11 @@ def shard(
     for name, child in _matching(module, checkpoint_layers, "checkpoint_layers"):
         parent_name, _, attribute = name.rpartition(".")
         setattr(module.get_submodule(parent_name), attribute, checkpoint_wrapper(child))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if policy is not None:
-        options["mp_policy"] = policy
-    for name in units:
-        # Looked up after the wrapping: a checkpointed unit is sharded with its wrapper, whose attributes lead on to
-        # the module inside it.
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy}
+    for name in units:  # looked up after the wrapping: a checkpointed unit is sharded with its wrapper
         fully_shard(module.get_submodule(name), **options)
     fully_shard(module, **options)
     return units or ["no sub-module"]
