@@ -417,3 +417,13 @@ def test_last_checkpoint_is_written_where_lightning_skipped_it(tmp_path: Path) -
     from lightning.pytorch.callbacks import ModelCheckpoint as Lightnings
 
     assert fit(Lightnings(dirpath=tmp_path / "lightnings", **kwargs))["global_step"] == 2  # what the subclass fixes
+
+
+def test_fsdp_data_parallel_size_is_what_model_parallel_strategy_builds_its_mesh_from() -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=1)
+    internals.set_data_parallel_size(strategy, 4)
+    assert strategy._data_parallel_size == 4
+    # setup_environment hands it to the device mesh ("auto" would become the number of nodes there).
+    assert "_data_parallel_size" in ModelParallelStrategy.setup_environment.__code__.co_names

@@ -372,3 +372,13 @@ def checkpoint_wrapper(module: nn.Module) -> nn.Module:
         name = "distributed.algorithms._checkpoint.checkpoint_wrapper"
         raise _changed("torch", name, "fsdp checkpoint_layers") from None
     return wrap(module)
+
+
+def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:
+    """Make the strategy's device mesh ``size`` data-parallel shards (strategy fsdp: one per process).
+
+    ``ModelParallelStrategy`` takes the size only in its constructor, before the Trainer has given it devices, and
+    its ``"auto"`` means one shard per node; ``setup_environment`` builds the mesh from ``_data_parallel_size``.
+    """
+    _require(strategy, "_data_parallel_size", "lightning", "strategy fsdp (one shard per process)")
+    strategy._data_parallel_size = size

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from template.engine.resume import checkpoints
+from template.engine.strategies import fsdp
 from template.nets import MLP
 from tests.conftest import CONFIGS, PACKAGE, REPO, cli_env, made_once
 
@@ -150,6 +152,28 @@ def test_a_module_that_shards_itself_keeps_its_sharding(run_cli, tmp_path: Path)
     assert "fsdp: sharded" not in done.stdout + done.stderr
     (version,) = (tmp_path / "lightning_logs").iterdir()
     assert len(_val_accs(version)) == 2
+
+
+def test_checkpointed_layers_are_sharded_inside_their_wrappers(tmp_path: Path) -> None:
+    """In one process (gloo, world size 1): the default units keep their names when they are also checkpointed, and
+    each is sharded with its activation-checkpointing wrapper around it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    module = nn.Module()
+    module.net = MLP((1, 8, 8), 10)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        units = fsdp.shard(module, init_device_mesh("cpu", (1,)), None, ["Linear"], True, bf16=False)
+        assert units == ["net.layers.1", "net.layers.4", "net.layers.7"]
+        for name in units:
+            unit = module.get_submodule(name)
+            assert isinstance(unit, FSDPModule) and type(unit).__name__.endswith("CheckpointWrapper"), type(unit)
+        module.net(torch.randn(3, 1, 8, 8)).sum().backward()
+        assert fsdp.is_sharded(module) and all(p.grad is not None for p in module.parameters())
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

@@ -139,6 +139,24 @@ def test_other_device_values_are_left_to_lightning(value: object) -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "indices", "count"),
+    [
+        (2, [0, 1], 2), ("3", [0, 1, 2], 3), ([2, 0], [2, 0], 2), ("1,3", [1, 3], 2), ("1,", [1], 1),
+        (-1, [0, 1, 2, 3], None), ("-1", [0, 1, 2, 3], None), ("auto", [0, 1, 2, 3], None), (0, [], 0),
+    ],
+)  # fmt: skip
+def test_device_values_are_read_as_lightning_reads_them(value: object, indices: list[int], count: int | None) -> None:
+    assert gpus.gpu_indices(value, visible=4) == indices and gpus.gpu_count(value) == count
+
+
+def test_a_free_request_counts_its_gpus_and_nonsense_is_one_line() -> None:
+    assert gpus.gpu_count("free:3,min=8GiB") == 3
+    for value in ("two", "0,x", [0.5j]):
+        with pytest.raises(ConfigError, match=r"trainer.devices=.* is not a number of devices.*devices: \[0, 1\]"):
+            gpus.gpu_count(value)
+
+
+@pytest.mark.parametrize(
     "text", ["free:", "free:0", "free:-1", "free:two", "free:2,min=lots", "free:2,max=3", "free:2,min=nan"]
 )
 def test_malformed_requests_name_the_value_and_the_syntax(text: str) -> None:

@@ -64,8 +64,15 @@ def test_lr_factor_rules():
 def test_lr_scaling_without_a_reference_batch_is_refused():
     with pytest.raises(ConfigError, match=r"lr_scaling=sqrt needs scaling.reference_batch_size"):
         BatchScaling(global_batch_size=64, lr_scaling="sqrt")
-    with pytest.raises(ConfigError, match=r"global_batch_size must be a positive integer, got 0"):
-        BatchScaling(global_batch_size=0)
+
+
+@pytest.mark.parametrize("option", ["global_batch_size", "reference_batch_size"])
+def test_a_batch_size_below_one_is_one_line(run_main, option: str) -> None:
+    result = run_main("fit", "--config", CONFIGS / "default.yaml", f"--scaling.{option}=0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: invalid value '0' for 'scaling.{option}'; expected PositiveInt (v>0) or null"
+    )
 
 
 def _lrs_over_steps(make_scheduler, lr: float, factor: float | None, steps: int = 12) -> list[float]:

@@ -87,8 +87,16 @@ def _first_reason(details: str) -> str:
     details = details.strip(" -")
     if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
         return f"expected one of {', '.join(choices)}"
-    if types := re.findall(r"Expected a <class '([\w.]+)'>", details):
-        return "expected " + " or ".join("null" if t == "NoneType" else t for t in types)
+    # A restricted type (PositiveInt, OpenUnitInterval) is named with the rule the value broke.
+    rule = re.search(r"does not conform to restriction (.+?)(?= - |$)", details)
+    names = []
+    for plain, restricted in re.findall(r"Expected a <class '([\w.]+)'>|Not of type (\w+)", details):
+        if restricted:
+            names.append(f"{restricted} ({rule.group(1)})" if rule else restricted)
+        else:
+            names.append("null" if plain == "NoneType" else plain)
+    if names:
+        return "expected " + " or ".join(names)
     return details[:300]
 
 

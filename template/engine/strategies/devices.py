@@ -1,9 +1,8 @@
-"""Shared GPU machines: ``trainer.devices: free:N`` picks the N visible GPUs with the most free memory, and the
-GPU-only defaults (float32 matmul precision) that cost nothing on the CPU.
+"""``trainer.devices``: the one reading of its values, ``free:N`` (the N visible GPUs with the most free memory), the
+devices a process trains on, and the float32 matmul precision.
 
-Free memory is read through NVML (the ``gpu`` extra: nvidia-ml-py, module ``pynvml``), which does not create a CUDA
-context: asking torch (``torch.cuda.mem_get_info``) would put a context of a few hundred MiB on every GPU it looks at,
-including the busy ones that someone else is using.
+Free memory is read through NVML (the ``gpu`` extra, module ``pynvml``): asking torch would put a CUDA context of a
+few hundred MiB on every GPU it looks at, including the busy ones someone else is using.
 """
 
 from __future__ import annotations
@@ -23,12 +22,11 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from template.engine.errors import ConfigError
 
-# The choice rank 0 made, handed to the DDP processes Lightning starts with rank 0's environment: "<request>-><list>".
-# The name holds no package name on purpose: it stays the same whatever the package is called.
+# Rank 0's choice, "<request>-><indices>", for the DDP processes Lightning starts with rank 0's environment.
 HANDOFF_VARIABLE = "FREE_GPUS_CHOSEN"
 _GIB = 1024**3
 _SYNTAX = "free:N or free:N,min=MGiB (e.g. free:2 or free:2,min=8GiB)"
-_REQUEST = re.compile(r"free:\s*(?P<count>[^,]*?)\s*(?:,\s*min\s*=\s*(?P<min>[^,]*?)\s*)?", re.IGNORECASE)
+_REQUEST = re.compile(r"free:\s*(\d+)\s*(?:,\s*min\s*=\s*(\d+\.?\d*|\.\d+)\s*(?:g(?:i?b)?)?\s*)?", re.IGNORECASE)
 
 MatmulPrecision = Literal["auto", "highest", "high", "medium"]
 
@@ -44,7 +42,7 @@ class FreeRequest:
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """One visible GPU as NVML reports it: ``index`` is the index inside this process (after CUDA_VISIBLE_DEVICES)."""
+    """A visible GPU as NVML reports it; ``index`` is CUDA's in this process (after CUDA_VISIBLE_DEVICES)."""
 
     index: int
     free: int
@@ -54,44 +52,54 @@ class GpuMemory:
         return f"GPU {self.index}: {self.free / _GIB:.1f} of {self.total / _GIB:.1f} GiB free"
 
 
+def gpu_indices(devices: Any, visible: int) -> list[int]:
+    """The GPU indices a ``trainer.devices`` value asks for, read as Lightning reads it: N (or "N") the first N, a
+    list (or "0,2") those, -1 and "auto" all ``visible`` ones. A ``free:N`` request is resolved to a list first."""
+    if _every_gpu(devices):
+        return list(range(visible))
+    try:
+        if isinstance(devices, str):
+            text = devices.strip()
+            devices = [int(part) for part in text.split(",") if part.strip()] if "," in text else int(text)
+        return list(range(devices)) if isinstance(devices, int) else [int(index) for index in devices]
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"trainer.devices={devices!r} is not a number of devices, a list of GPU indices, -1, auto or free:N; "
+            "e.g. devices: 2 or devices: [0, 1]"
+        ) from None
+
+
+def gpu_count(devices: Any) -> int | None:
+    """How many GPUs a ``trainer.devices`` value asks for (``free:N`` included); None for all visible (-1, auto)."""
+    if (request := parse_free_request(devices)) is not None:
+        return request.count
+    return None if _every_gpu(devices) else len(gpu_indices(devices, 0))
+
+
+def _every_gpu(devices: Any) -> bool:
+    return devices in (None, -1) or (isinstance(devices, str) and devices.strip().lower() in ("auto", "-1"))
+
+
 def parse_free_request(devices: Any) -> FreeRequest | None:
-    """The request in a ``trainer.devices`` value, None for the values Lightning reads itself (2, [0, 1], "auto")."""
+    """The request in a ``trainer.devices`` value; None for the values Lightning reads itself (2, [0, 1], "auto")."""
     if not isinstance(devices, str) or not devices.strip().lower().startswith("free:"):
         return None
     text = devices.strip()
     match = _REQUEST.fullmatch(text)
-    count = _number(match.group("count"), int) if match else None
-    min_text = (match.group("min") or "0") if match else ""
-    min_free = _number(re.sub(r"(?i)\s*g(?:i?b)?$", "", min_text), float) if match else None
-    if count is None or count < 1 or min_free is None or not 0 <= min_free < float("inf"):
+    if match is None or int(match[1]) < 1:
         raise ConfigError(
             f"trainer.devices={text!r} is not a free-GPU request; write {_SYNTAX}: N >= 1 GPUs, each with at "
             "least M GiB free"
         )
-    return FreeRequest(text, count, min_free)
-
-
-def _integer(text: str | None, default: int) -> int:
-    try:
-        return int(text) if text is not None else default
-    except ValueError:
-        return default
-
-
-def _number(text: str, kind: type) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        return None
+    return FreeRequest(text, int(match[1]), float(match[2] or 0))
 
 
 def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
     """Replace ``trainer["devices"]`` = ``free:N[,min=M]`` by the list of GPU indices it picks, in place.
 
-    Lightning's DDP launcher re-runs this command line for ranks 1..N with rank 0's environment: rank 0 decides and
-    hands the list down in ``FREE_GPUS_CHOSEN``, so every process trains on the same GPUs even if the free memory
-    changes in between (rank 0's own context appears on its first GPU). Processes that torchrun, SLURM and similar
-    start each on their own could pick differently: there the request is refused, list the devices explicitly.
+    Lightning's DDP launcher starts ranks 1..N with rank 0's command line and environment: rank 0 picks and hands
+    the list down in ``FREE_GPUS_CHOSEN``, so all train on the same GPUs even if the free memory changes meanwhile.
+    Processes that another launcher (torchrun, SLURM) starts on one node would each pick on their own: refused.
     """
     request = parse_free_request(trainer.get("devices"))
     if request is None:
@@ -109,7 +117,7 @@ def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
         rank_zero_info(message)
         os.environ[HANDOFF_VARIABLE] = f"{request.text}->{','.join(map(str, chosen))}"
     if accelerator == "auto":
-        trainer["accelerator"] = "gpu"  # "auto" could otherwise fall back to another accelerator than the picked GPUs
+        trainer["accelerator"] = "gpu"  # "auto" could fall back to another accelerator than the GPUs picked
     trainer["devices"] = chosen
 
 
@@ -131,19 +139,17 @@ def _handed_down_choice(request: FreeRequest) -> list[int] | None:
 
 
 def _refuse_under_external_launcher(request: FreeRequest) -> None:
-    """Raise ConfigError when an outside launcher started several processes on this node, each of which would pick
-    on its own. Only processes on the same node must agree: one process per node (torchrun --nproc_per_node=1, a
-    Kubeflow pod, which Lightning does not detect anyway) picks among its own node's GPUs."""
+    """Refuse when a launcher started several processes on this node; one per node (torchrun --nproc_per_node=1)
+    picks among its node's GPUs. A launcher that does not state its processes per node counts as several."""
     from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
-    # Processes per node as each launcher states it; missing counts as several (refuse rather than guess).
-    local_sizes = {
+    per_node = {
         TorchElasticEnvironment: "LOCAL_WORLD_SIZE",
         SLURMEnvironment: "SLURM_NTASKS_PER_NODE",
         LSFEnvironment: "JSM_NAMESPACE_LOCAL_SIZE",
     }
-    for environment, variable in local_sizes.items():
-        if environment.detect() and _integer(os.environ.get(variable), default=2) > 1:
+    for environment, variable in per_node.items():
+        if environment.detect() and os.environ.get(variable, "").strip() not in ("0", "1"):
             raise ConfigError(
                 f"trainer.devices={request.text!r} is decided by one process and handed to the DDP processes "
                 f"Lightning starts, but {environment.__name__.replace('Environment', '')} started this process as "
@@ -176,7 +182,7 @@ def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
 
 
 def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
-    """Free and total memory of every GPU this process can see, in CUDA's visible order, read through NVML."""
+    """Free and total memory of every GPU this process can see, in CUDA's order, read through NVML."""
     try:
         import pynvml
     except ImportError:
@@ -195,11 +201,8 @@ def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
         if not handles:
             raise ConfigError(_no_gpu(request, hidden, "NVML lists no GPU" if hidden is None else "none visible"))
         _number_gpus_in_pci_order(request, [_text(pynvml.nvmlDeviceGetName(handle)) for handle in handles])
-        gpus = []
-        for index, handle in enumerate(handles):
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(GpuMemory(index, int(memory.free), int(memory.total)))
-        return gpus
+        memory = [pynvml.nvmlDeviceGetMemoryInfo(handle) for handle in handles]
+        return [GpuMemory(index, int(m.free), int(m.total)) for index, m in enumerate(memory)]
     except pynvml.NVMLError as err:  # e.g. a GPU NVML may not query from inside a container
         raise ConfigError(
             f"trainer.devices={request.text!r} cannot read the GPUs' free memory (NVML: {err}); list the devices "
@@ -218,9 +221,8 @@ def _no_gpu(request: FreeRequest, hidden: str | None, reason: str) -> str:
 
 
 def _number_gpus_in_pci_order(request: FreeRequest, models: list[str]) -> None:
-    """Make CUDA number the GPUs as they are read here, in PCI bus order: CUDA's default order (FASTEST_FIRST) puts
-    the fastest model first, so on a machine with mixed models its GPU 0 would be another card than the one picked.
-    Set before CUDA starts, and inherited by the DDP processes Lightning starts from this one."""
+    """Make CUDA number the GPUs in PCI bus order, as they are read here, before CUDA starts (the DDP processes
+    inherit it): CUDA's default puts the fastest model first, another card than the one picked on mixed machines."""
     if "CUDA_DEVICE_ORDER" not in os.environ and not torch.cuda.is_initialized():
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     order = os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST (CUDA started before the pick)")
@@ -233,62 +235,49 @@ def _number_gpus_in_pci_order(request: FreeRequest, models: list[str]) -> None:
 
 
 def _visible_handles(pynvml: Any, hidden: str | None) -> list[Any]:
-    """NVML handles of the GPUs CUDA numbers 0, 1, ... in this process (in PCI bus order): CUDA numbers only the
-    ones CUDA_VISIBLE_DEVICES lists, in its order, by index or UUID (prefix); CUDA ignores everything from the
-    first entry it cannot use onwards, and so does this."""
+    """NVML handles of the GPUs CUDA numbers 0, 1, ... here, in PCI bus order: those CUDA_VISIBLE_DEVICES lists, in
+    its order, by index or UUID (prefix), up to the first entry CUDA cannot use, as CUDA reads it."""
     count = pynvml.nvmlDeviceGetCount()
     physical = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
     # NVML promises no order of its own: CUDA's PCI_BUS_ID order is that of the bus ids.
     physical.sort(key=lambda handle: _text(pynvml.nvmlDeviceGetPciInfo(handle).busId).upper())
     if hidden is None:
         return physical
-    uuids = [_text(pynvml.nvmlDeviceGetUUID(handle)) for handle in physical]
+    uuids = [_text(pynvml.nvmlDeviceGetUUID(handle)).upper() for handle in physical]
     visible: list[Any] = []
-    for entry in (part.strip() for part in hidden.split(",")):
+    for entry in (part.strip().upper() for part in hidden.split(",")):
+        if entry.startswith("MIG-"):
+            raise ConfigError(
+                f"CUDA_VISIBLE_DEVICES={hidden!r} names a MIG instance, whose free memory NVML reports per "
+                "instance and not by this name; list the devices explicitly instead of free:N"
+            )
         if re.fullmatch(r"[+-]?\d+", entry):
-            position = int(entry)
-            if not 0 <= position < count:
-                break
-        elif entry.upper().startswith("GPU-"):
-            matches = [i for i, uuid in enumerate(uuids) if uuid.upper().startswith(entry.upper())]
-            if len(matches) != 1:
-                break
-            position = matches[0]
+            positions = [int(entry)] if 0 <= int(entry) < count else []
         else:
-            if entry.upper().startswith("MIG-"):
-                raise ConfigError(
-                    f"CUDA_VISIBLE_DEVICES={hidden!r} names a MIG instance, whose free memory NVML reports per "
-                    "instance and not by this name; list the devices explicitly instead of free:N"
-                )
-            break
-        if physical[position] in visible:
-            break  # CUDA refuses a GPU listed twice the same way
-        visible.append(physical[position])
+            positions = [i for i, uuid in enumerate(uuids) if entry.startswith("GPU-") and uuid.startswith(entry)]
+        if len(positions) != 1 or physical[positions[0]] in visible:
+            break  # CUDA ignores this entry and all after it (a GPU listed twice too)
+        visible.append(physical[positions[0]])
     return visible
 
 
 def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode() if isinstance(value, bytes) else value  # older NVML bindings return bytes
 
 
 def hide_gpus_from_cpu_run(trainer: Mapping[str, Any]) -> None:
-    """A run on the CPU hides the GPUs from its process and the DDP processes Lightning starts from it, before CUDA
-    starts: Lightning reads and sets every visible GPU's random state around its sanity check, which would put a
-    CUDA context on each of them (someone else's busy ones too)."""
+    """Hide the GPUs from a CPU run and the DDP processes it starts, before CUDA starts: Lightning reads and sets
+    every visible GPU's random state around its sanity check, putting a CUDA context on each (busy ones too)."""
     accelerator = trainer.get("accelerator")
     if isinstance(accelerator, CPUAccelerator) or str(accelerator).strip().lower() == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def process_devices(strategy: Strategy) -> list[torch.device]:
-    """The devices this process trains on: its root device, or every device where one process drives several
-    (strategy dp). What touches a GPU (random states, provenance) asks these, never CUDA's current device: a CPU run
-    on a GPU machine creates no CUDA context."""
+    """The devices this process trains on: its root device, or all where one process drives several (dp). What
+    touches a GPU (random states, provenance) asks this, not CUDA's current device, so a CPU run creates no context."""
     several = strategy.world_size == 1 and getattr(strategy, "parallel_devices", None)
     return list(several or [strategy.root_device])
-
-
-# --- float32 matmul precision ------------------------------------------------------------------------------------
 
 
 def add_gpu_arguments(parser: LightningArgumentParser) -> None:

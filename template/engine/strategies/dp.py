@@ -20,6 +20,7 @@ from typing_extensions import override
 from template.engine.errors import ConfigError
 from template.engine.internals import eager_call, is_compiled_in_place, layer_sync_enabled, set_compiled_call
 from template.engine.logs.console import Mechanism
+from template.engine.strategies.devices import gpu_indices
 
 # Shipped with the project: the data-parallel run that needs no GPU.
 CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"
@@ -58,11 +59,8 @@ def _compiled_replica_call() -> Callable[..., Any]:
 
 
 def share_compiled_call(module: nn.Module, replicas: Sequence[nn.Module]) -> Sequence[nn.Module]:
-    """Replicas of a network compiled in place (``net.compile()``) that run compiled code on their own weights.
-
-    A replica copies the original's compiled call, which is bound to the original module: it would run the first
-    GPU's weights on every GPU's inputs.
-    """
+    """Replicas of a network compiled in place (``net.compile()``) that run compiled code on their own weights: a
+    replica copies the original's compiled call, bound to the original, which would run the first GPU's weights."""
     if not is_compiled_in_place(module):
         return replicas
     for replica in replicas:
@@ -138,7 +136,7 @@ class DataParallelStrategy(ParallelStrategy):
         return None
 
     def set_world_ranks(self) -> None:
-        """Check the settings: the connector calls this once it has set the accelerator, devices, num_nodes and sync."""
+        # The connector calls this once it has set the accelerator, devices, num_nodes and layer sync.
         devices = [device.index for device in self.parallel_devices or []]
         check_dp_settings(self.accelerator, devices, self.num_nodes, sync_batchnorm=layer_sync_enabled(self))
 
@@ -149,10 +147,8 @@ class DataParallelStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
-        assert self.model is not None
-        self._parallelise_network(self.model)
-
-    def _parallelise_network(self, model: nn.Module) -> None:
+        model = self.model
+        assert model is not None
         net = dict(model.named_children()).get(self.module_name)
         if net is None:
             raise ConfigError(
@@ -205,16 +201,13 @@ class DataParallelStrategy(ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__, override=True)
 
 
-def is_dp(strategy: Any) -> bool:
-    """Whether a ``trainer.strategy`` value (registry name or instance) selects this strategy."""
-    if isinstance(strategy, str):
-        return strategy.strip().lower() == DataParallelStrategy.strategy_name
-    return isinstance(strategy, DataParallelStrategy)
-
-
 def check_dp_trainer_config(trainer: Mapping[str, Any]) -> None:
-    """Before the Trainer is built: if ``trainer`` selects dp, raise ConfigError unless this machine can run it."""
-    if is_dp(trainer.get("strategy")):
+    """Before the Trainer is built: if ``trainer`` selects dp (by name or instance), refuse what it cannot run."""
+    strategy = trainer.get("strategy")
+    if (
+        isinstance(strategy, DataParallelStrategy)
+        or str(strategy).strip().lower() == DataParallelStrategy.strategy_name
+    ):
         check_dp_settings(
             trainer.get("accelerator", "auto"),
             trainer.get("devices", "auto"),
@@ -226,7 +219,7 @@ def check_dp_trainer_config(trainer: Mapping[str, Any]) -> None:
 def check_dp_settings(
     accelerator: str | Accelerator | None, devices: Any, num_nodes: int, sync_batchnorm: bool = False
 ) -> None:
-    """Raise ConfigError naming the bad value and the fix when dp cannot run with these Trainer settings."""
+    """Raise ConfigError, naming the bad value and the fix, when dp cannot run with these Trainer settings."""
     if sync_batchnorm:
         # torch's SyncBatchNorm works only between DDP processes; ignoring the flag would be a silent fallback.
         raise ConfigError(
@@ -253,22 +246,10 @@ def check_dp_settings(
             f"strategy dp needs CUDA GPUs but this process sees none (torch.cuda.device_count() is 0{note}); "
             f"to train data-parallel on CPU use --config {CPU_ALTERNATIVE} (strategy ddp over CPU processes)"
         )
-    missing = [index for index in _requested_gpus(devices, visible) if not 0 <= index < visible]
+    missing = [index for index in gpu_indices(devices, visible) if not 0 <= index < visible]
     if missing:
         note = f" (CUDA_VISIBLE_DEVICES={hidden} renumbers them from 0)" if hidden else ""
         raise ConfigError(
             f"trainer.devices={devices} asks for GPU index {', '.join(map(str, missing))} but this process sees "
             f"{visible} GPU(s), indices {list(range(visible))}{note}; list only those"
         )
-
-
-def _requested_gpus(devices: Any, visible: int) -> list[int]:
-    """GPU indices a ``trainer.devices`` value asks for, read the way Lightning reads it (-1 and "auto" = all)."""
-    if isinstance(devices, str):
-        text = devices.strip()
-        if text == "auto":
-            return list(range(visible))
-        devices = [int(part) for part in text.split(",") if part.strip()] if "," in text else int(text)
-    if isinstance(devices, int):
-        return list(range(visible)) if devices == -1 else list(range(devices))
-    return [int(index) for index in devices]

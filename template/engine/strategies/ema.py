@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from jsonargparse.typing import OpenUnitInterval, PositiveInt
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch import nn
 from typing_extensions import override
 
-from template.engine.errors import ConfigError
 from template.engine.logs.console import Mechanism
 
 
@@ -47,7 +47,10 @@ class EMAOptions:
     """The ``ema`` options: validation, checkpoints' ``state_dict`` and ``export`` use the averaged weights."""
 
     def __init__(
-        self, decay: float | None = None, update_every_n_steps: int = 1, update_starting_at_step: int | None = None
+        self,
+        decay: OpenUnitInterval | None = None,
+        update_every_n_steps: PositiveInt = 1,
+        update_starting_at_step: int | None = None,
     ) -> None:
         """``decay``: the weight of the average at each update, e.g. 0.999; null (the default) keeps no average.
 
@@ -62,13 +65,9 @@ class EMAOptions:
 def ema_callbacks(
     decay: float | None, update_every_n_steps: int = 1, update_starting_at_step: int | None = None
 ) -> list:
-    """``[EMAWeightAveraging(...)]`` for a ``decay``, ``[]`` for None; a decay outside (0, 1) is a one-line error."""
+    """``[EMA(...)]`` for a ``decay`` (its range checked by the command line), ``[]`` for None."""
     if decay is None:
         return []
-    if not 0 < decay < 1:
-        raise ConfigError(f"ema.decay={decay} must be between 0 and 1 (e.g. 0.999), or null for no average")
-    if update_every_n_steps < 1:
-        raise ConfigError(f"ema.update_every_n_steps={update_every_n_steps} must be >= 1")
     return [
         EMA(decay=decay, update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step)
     ]

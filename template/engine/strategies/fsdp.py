@@ -1,9 +1,6 @@
-"""``strategy: fsdp``: parameters, gradients and optimizer states sharded over the processes (FSDP2, torch's
-``fully_shard``) through Lightning's ``ModelParallelStrategy``; it runs on CPUs (gloo) as on GPUs (NCCL).
-
-Lightning's own ``fsdp`` (FSDP1) needs CUDA and wraps modules; FSDP2 shards the parameters in place as DTensors, so a
-network's attributes, ``state_dict`` keys and ``net.pt`` exports stay those of the plain network.
-"""
+"""``strategy: fsdp``: FSDP2 (torch's ``fully_shard``) through Lightning's ``ModelParallelStrategy``, on CPUs (gloo)
+as on GPUs (NCCL). Unlike Lightning's ``fsdp`` (FSDP1: CUDA only, wraps modules) it shards parameters in place, so
+attribute names, ``state_dict`` keys and exports stay those of the plain network."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from template.engine.internals import (
     checkpoint_wrapper,
     materialize_meta_module,
     optimizers_to_device,
+    set_data_parallel_size,
 )
 from template.engine.logs.console import Mechanism
 from template.engine.store import atomic_torch_save, replace_directory
@@ -86,7 +84,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Every process is one data-parallel shard (ModelParallelStrategy's "auto" would make it one per node).
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     @override
@@ -95,13 +93,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if not is_sharded(self.model):
+            bf16 = self.precision_plugin.precision == "bf16-mixed"
+            mesh = self.device_mesh["data_parallel"]
             layers = shard(
-                self.model,
-                self.device_mesh["data_parallel"],
-                self.shard_layers,
-                self.checkpoint_layers,
-                self.reshard_after_forward,
-                bf16=self.precision_plugin.precision == "bf16-mixed",
+                self.model, mesh, self.shard_layers, self.checkpoint_layers, self.reshard_after_forward, bf16
             )
             units = ", ".join(layers)
             rank_zero_info(
@@ -170,8 +165,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def is_fsdp(strategy: Any) -> bool:
-    """Whether a ``trainer.strategy`` value selects this strategy: its registry name, an instance, or a parsed
-    ``class_path`` config."""
+    """Whether a ``trainer.strategy`` value (name, instance or ``class_path`` config) selects this strategy."""
     if isinstance(strategy, str):
         return strategy.strip().lower() == FSDP2Strategy.strategy_name
     class_path = strategy.get("class_path") if isinstance(strategy, Mapping) else getattr(strategy, "class_path", None)
@@ -197,8 +191,7 @@ def check_fsdp_trainer_config(trainer: Mapping[str, Any]) -> None:
 
 
 def check_ema(ema_decay: float | None, strategy: Any) -> None:
-    """Refuse an average of the weights (``ema``) under fsdp: it would be kept whole in every process, the memory
-    sharding saves, and written into the checkpoint's unsharded part."""
+    """Refuse ``ema`` under fsdp: the average would be whole in every process (the memory sharding saves)."""
     if ema_decay is not None and is_fsdp(strategy):
         raise ConfigError(
             f"ema.decay={ema_decay} is not supported with strategy fsdp (the average would be a whole copy of the "
@@ -207,7 +200,7 @@ def check_ema(ema_decay: float | None, strategy: Any) -> None:
 
 
 def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` holds sharded (DTensor) parameters: its ``configure_model`` sharded it."""
+    """Whether ``module`` holds sharded (DTensor) parameters, e.g. sharded by its own ``configure_model``."""
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
@@ -224,19 +217,18 @@ def shard(
     """Shard ``module`` in place: each unit, then the root; returns the units' names (for the run's first lines)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    checkpointed = _matching(module, checkpoint_layers, "checkpoint_layers")
-    for name, child in checkpointed:
+    units = [name for name, _ in _units(module, shard_layers)]
+    for name, child in _matching(module, checkpoint_layers, "checkpoint_layers"):
         parent_name, _, attribute = name.rpartition(".")
         setattr(module.get_submodule(parent_name), attribute, checkpoint_wrapper(child))
-    units = _units(module, shard_layers)  # after the wrapping: a checkpointed unit is its wrapper
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if policy is not None:
-        options["mp_policy"] = policy
-    for _, unit in units:
-        fully_shard(unit, **options)
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy}
+    for name in units:  # looked up after the wrapping: a checkpointed unit is sharded with its wrapper
+        fully_shard(module.get_submodule(name), **options)
     fully_shard(module, **options)
-    return [name for name, _ in units] or ["no sub-module"]
+    return units or ["no sub-module"]
 
 
 def _units(module: nn.Module, shard_layers: list[str] | None) -> list[tuple[str, nn.Module]]:
@@ -260,7 +252,7 @@ def _matching(module: nn.Module, names: list[str], option: str) -> list[tuple[st
     for name, child in module.named_modules():
         if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
             continue
-        cls = type(getattr(child, "_checkpoint_wrapped_module", child))
+        cls = type(child)
         if cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names:
             found.append((name, child))
     if not found:

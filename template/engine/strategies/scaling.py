@@ -1,4 +1,4 @@
-"""One global batch size for every strategy, the learning rate scaled to it, and a summary of the run."""
+"""One global batch size for every strategy, the learning rate scaled to it, and the run's summary line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -77,9 +78,9 @@ class BatchScaling(Callback):
 
     def __init__(
         self,
-        global_batch_size: int | None = None,
+        global_batch_size: PositiveInt | None = None,
         lr_scaling: LRScaling = "none",
-        reference_batch_size: int | None = None,
+        reference_batch_size: PositiveInt | None = None,
     ) -> None:
         """
         Args:
@@ -92,20 +93,19 @@ class BatchScaling(Callback):
             reference_batch_size: the batch size the configured learning rate was tuned for.
         """
         super().__init__()
-        for name, value in (("global_batch_size", global_batch_size), ("reference_batch_size", reference_batch_size)):
-            if value is not None and value < 1:
-                raise ConfigError(f"scaling.{name} must be a positive integer, got {value}")
         if lr_scaling != "none" and reference_batch_size is None:
             raise ConfigError(
                 f"scaling.lr_scaling={lr_scaling} needs scaling.reference_batch_size, the batch size the learning "
                 "rate was tuned for; set it, e.g. --scaling.reference_batch_size=64"
             )
-        self.global_batch_size = global_batch_size
+        # Plain numbers: the parser's PositiveInt is a subclass that hparams.yaml and a weights-only checkpoint
+        # cannot hold.
+        self.global_batch_size = None if global_batch_size is None else int(global_batch_size)
         self.lr_scaling = lr_scaling
-        self.reference_batch_size = reference_batch_size
+        self.reference_batch_size = None if reference_batch_size is None else int(reference_batch_size)
         self.summary: dict[str, Any] = {}
         # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
-        self._applied_factor = 1.0
+        self.applied_lr_factor = 1.0
 
     @property
     def announcement(self) -> Mechanism | None:
@@ -118,13 +118,10 @@ class BatchScaling(Callback):
         )
 
     def apply_batch_size(self, trainer: Trainer, datamodule: Any, module: Any = None) -> int | None:
-        """Set the batch size from the global batch (idempotent) where Lightning's batch-size finder would; returns
-        the per-process batch.
+        """Set every holder of the batch size to the per-process batch of the global one, and return it (idempotent).
 
-        Holders, as ``lightning.pytorch.utilities.parsing.lightning_setattr`` finds them: an attribute of the
-        LightningModule, its ``hparams``, an attribute of the DataModule, its ``hparams``; all of them are set. Called
-        by the command line before the module is attached (``module`` None: a holder only in the module is found in
-        ``setup``) and again in ``setup``.
+        The command line calls it before the module is attached (``module`` None: a holder only the module has is
+        set in ``setup``), so the DataModule sees its batch from its first hook.
         """
         holders = batch_size_holders(module, datamodule)
         names = " or ".join(type(o).__name__ for o in (datamodule, module) if o is not None) or "the run"
@@ -158,32 +155,29 @@ class BatchScaling(Callback):
         return batch
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Also reached without the command line, when this callback is given to a Trainer directly.
-        self.apply_batch_size(trainer, trainer.datamodule, pl_module)
+        self.apply_batch_size(trainer, trainer.datamodule, pl_module)  # also for a Trainer built without the CLI
         # Fresh optimizers hold the base LR; a checkpoint restored later brings its own factor (load_state_dict).
-        self._applied_factor = 1.0
+        self.applied_lr_factor = 1.0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Runs after Lightning restored the optimizer from a checkpoint: rescaling relative to the factor that
-        # checkpoint already holds applies the rule once, however often the run is resumed.
+        # After Lightning restored the optimizer from a checkpoint: rescaling relative to the factor it holds applies
+        # the rule once, however often the run is resumed.
         holders = batch_size_holders(pl_module, trainer.datamodule)
         per_process = _get(holders[-1]) if holders else None
         if not isinstance(per_process, int):
-            # No holder (or not an integer): the size the training loader batches by.
             per_process = loader_batch_size(trainer.train_dataloader)
         shares = trainer.world_size * trainer.accumulate_grad_batches
         effective = per_process * shares if isinstance(per_process, int) else None
         factor = lr_factor(self.lr_scaling, effective, self.reference_batch_size) if effective else 1.0
-        if factor != self._applied_factor:
+        if factor != self.applied_lr_factor:
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-            scale_learning_rates(trainer.optimizers, schedulers, factor / self._applied_factor)
-            self._applied_factor = factor
+            scale_learning_rates(trainer.optimizers, schedulers, factor / self.applied_lr_factor)
+            self.applied_lr_factor = factor
         self.summary = run_summary(trainer, per_process, effective, self)
         bar = trainer.progress_bar_callback
         if bar is not None and bar.is_enabled:
-            # Through the bar, which clears its line first: a plain print would continue the bar's line.
             if trainer.is_global_zero:
-                bar.print(format_summary(self.summary))
+                bar.print(format_summary(self.summary))  # the bar clears its line first; a print would continue it
         else:
             rank_zero_info(format_summary(self.summary))
         for logger in trainer.loggers:
@@ -191,10 +185,10 @@ class BatchScaling(Callback):
             logger.save()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr_factor": self._applied_factor, "summary": self.summary}
+        return {"lr_factor": self.applied_lr_factor, "summary": self.summary}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._applied_factor = float(state_dict.get("lr_factor", 1.0))
+        self.applied_lr_factor = float(state_dict.get("lr_factor", 1.0))
 
 
 # A holder of the batch size: (the object, None) for an attribute, (the object, its hparams) for an hparams entry.
@@ -202,12 +196,9 @@ Holder = tuple[Any, Any]
 
 
 def batch_size_holders(module: Any, datamodule: Any) -> list[Holder]:
-    """Where the batch size lives, in the order of Lightning's ``_lightning_get_all_attr_holders`` (the batch-size
-    finder's ``lightning_getattr``/``lightning_setattr``): the module, its hparams, the DataModule, its hparams.
-
-    Lightning's own functions need the module attached to a Trainer with the DataModule; the command line asks
-    before that. Lightning reads the last holder and sets all of them.
-    """
+    """Where the batch size lives, as Lightning's batch-size finder looks (``lightning_setattr``): the module, its
+    hparams, the DataModule, its hparams; the last is read, all are set. Lightning's own functions need the module
+    attached to a Trainer, which the command line asks before."""
     holders: list[Holder] = []
     for owner in (module, datamodule):
         if owner is None:
@@ -252,13 +243,14 @@ def run_summary(trainer: Trainer, per_process: int | None, effective: int | None
         # DataParallel splits each process's batch across its devices; elsewhere a process has one device.
         per_device = per_process / devices_per_process
         per_device = int(per_device) if per_device.is_integer() else round(per_device, 2)
-    rates = [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups[:1]]
-    rates = [float(rate) for rate in rates]
+    rates = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups[:1]]
     seed = os.environ.get("PL_GLOBAL_SEED")
-    # Who told Lightning the ranks: SLURM, torchrun (TorchElastic) or Lightning's own launcher; none for one device.
-    cluster = getattr(trainer.strategy, "cluster_environment", None)
+    # Who gave Lightning the ranks: SLURM, torchrun (TorchElastic) or Lightning's own launcher; none for one device.
+    strategy = trainer.strategy
+    cluster = getattr(strategy, "cluster_environment", None)
     return {
-        "strategy": _strategy_name(trainer),
+        "strategy": getattr(strategy, "strategy_name", None)
+        or type(strategy).__name__.removesuffix("Strategy").lower(),
         "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
         "num_nodes": trainer.num_nodes,
         "devices_per_node": trainer.num_devices,
@@ -271,7 +263,7 @@ def run_summary(trainer: Trainer, per_process: int | None, effective: int | None
         "global_batch_size": scaling.global_batch_size,
         "lr_scaling": scaling.lr_scaling,
         "reference_batch_size": scaling.reference_batch_size,
-        "lr_factor": scaling._applied_factor,
+        "lr_factor": scaling.applied_lr_factor,
         "lr": rates[0] if len(rates) == 1 else rates,
         "precision": str(trainer.precision),
         "seed": int(seed) if seed is not None else None,
@@ -290,15 +282,8 @@ def format_summary(summary: dict) -> str:
     return (
         f"Run: strategy {s['strategy']} on {s['accelerator']}, {s['num_nodes']} node(s) x {s['devices_per_node']} "
         f"device(s), world size {s['world_size']}{f' ({env})' if (env := s['cluster_environment']) else ''}; "
-        f"{batch}; {lr}; "
-        f"precision {s['precision']}; seed {s['seed']}"
+        f"{batch}; {lr}; precision {s['precision']}; seed {s['seed']}"
     )
-
-
-def _strategy_name(trainer: Trainer) -> str:
-    strategy = trainer.strategy
-    name = getattr(strategy, "strategy_name", None)
-    return name or type(strategy).__name__.removesuffix("Strategy").lower()
 
 
 def _default_batch_size(datamodule: Any) -> Any:
@@ -307,6 +292,4 @@ def _default_batch_size(datamodule: Any) -> Any:
         parameter = inspect.signature(type(datamodule)).parameters.get("batch_size")
     except (TypeError, ValueError):
         return None
-    if parameter is None or parameter.default is inspect.Parameter.empty:
-        return None
-    return parameter.default
+    return None if parameter is None or parameter.default is parameter.empty else parameter.default
