@@ -18,12 +18,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+from jsonargparse.typing import NonNegativeFloat, PositiveFloat
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from template.engine.errors import ConfigError, chain, full_traceback
+from template.engine.errors import chain, full_traceback
 from template.engine.internals import (
     cluster_environment,
     launched_children,
@@ -54,11 +55,7 @@ class HangWatchdog(Callback):
         "none; raise --watchdog.timeout (Lightning's: 1800)",
     )
 
-    def __init__(self, timeout: float = 600.0, grace: float = 3.0) -> None:
-        if timeout <= 0:
-            raise ConfigError(f"watchdog.timeout must be a positive number of seconds, got {timeout}; e.g. 600")
-        if grace < 0:
-            raise ConfigError(f"watchdog.grace must be >= 0 seconds, got {grace}; e.g. 3")
+    def __init__(self, timeout: PositiveFloat = 600.0, grace: NonNegativeFloat = 3.0) -> None:
         self.timeout = timeout
         self.grace = grace
 

@@ -49,6 +49,24 @@ def first_lines(trainer: Any, fit: bool) -> str:
     return "\n".join(["Added by the command line [and how to switch each off]:", *lines])
 
 
+class Throttle:
+    """``ready()`` is True at most once every ``seconds``, the first time included; after ``reset()`` it is True."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.reset()
+
+    def reset(self) -> None:
+        self._last = float("-inf")
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.seconds:
+            return False
+        self._last = now
+        return True
+
+
 class TimedProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar, redrawn every ``refresh_rate`` training steps but at most every ``min_interval`` seconds,
     and at an epoch's last step.
@@ -65,17 +83,13 @@ class TimedProgressBar(TQDMProgressBar):
 
     def __init__(self, refresh_rate: int = 10, min_interval: float = 0.25) -> None:
         super().__init__(refresh_rate=refresh_rate)
-        self.min_interval = min_interval
-        self._drawn = float("-inf")
+        self._redraw = Throttle(min_interval)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         n = batch_idx + 1
-        if n % self.refresh_rate == 0 and n != self.total_train_batches:
-            now = time.monotonic()
-            if now - self._drawn < self.min_interval:
-                return
-            self._drawn = now
+        if n % self.refresh_rate == 0 and n != self.total_train_batches and not self._redraw.ready():
+            return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 

@@ -6,12 +6,12 @@ import contextlib
 import csv
 import io
 import os
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jsonargparse.typing import NonNegativeFloat
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
@@ -19,8 +19,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from template.engine import internals
-from template.engine.errors import ConfigError, DiskError, disk_errors
-from template.engine.logs.console import Mechanism
+from template.engine.errors import DiskError, disk_errors
+from template.engine.logs.console import Mechanism, Throttle
 from template.engine.store import atomic_write, undone_on_failure
 
 HPARAMS = "hparams.yaml"
@@ -39,34 +39,24 @@ class _TimedSave:
     ``save_interval`` seconds of values.
     """
 
-    _last_save: float = float("-inf")
-
-    def __init__(self, *args: Any, save_interval: float = 5.0, **kwargs: Any) -> None:
-        if not save_interval >= 0:  # also refuses NaN
-            raise ConfigError(
-                f"trainer.logger save_interval={save_interval} is not a number of seconds >= 0; use e.g. 5 (0 "
-                "writes at every logging step, as Lightning's own loggers do)"
-            )
-        self.save_interval = save_interval
+    def __init__(self, *args: Any, save_interval: NonNegativeFloat = 5.0, **kwargs: Any) -> None:
+        self._saves = Throttle(save_interval)
         super().__init__(*args, **kwargs)
 
     def save(self) -> None:
-        now = time.monotonic()
-        if now - self._last_save < self.save_interval:
-            return
-        self._last_save = now
-        self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
+        if self._saves.ready():
+            self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
 
     def save_now(self) -> None:
         """Write what is buffered now, and again at the next save: a checkpoint is about to be written
         (``LogsBeforeCheckpoints``), and a checkpoint at a batch's end comes before Lightning logs that step's values
         (and calls ``save()``)."""
-        self._last_save = float("-inf")
+        self._saves.reset()
         self.save()
-        self._last_save = float("-inf")
+        self._saves.reset()
 
     def finalize(self, status: str) -> None:
-        self._last_save = float("-inf")  # the end of a run always reaches the disk
+        self._saves.reset()  # the end of a run always reaches the disk
         try:
             self._write(lambda: super(_TimedSave, self).finalize(status))  # type: ignore[misc]
         except DiskError:
