@@ -25,8 +25,6 @@ from template.engine.resume.states import exact_resume_point
 from template.engine.runs.folder import checkpoint_dir
 
 INTERRUPTED = "interrupted.ckpt"
-# The handlers in place before a run installed its own, restored when the command ends.
-_BEFORE_THE_RUN: dict[int, Any] = {}
 
 
 class Preemption(Callback):
@@ -63,6 +61,7 @@ class Preemption(Callback):
         self._received: int | None = None
         self._stopping: tuple[int, str, bool] | None = None
         self.signalled_at: float | None = None
+        self._before: dict[int, Any] = {}  # the handlers this run replaced
         self._active = False  # between setup and the end of fit the handlers record; after it they end the process
 
     def _signals(self, trainer: Trainer) -> list[int]:
@@ -78,7 +77,7 @@ class Preemption(Callback):
             previous = signal.getsignal(signum)
             if signum == signal.SIGINT and previous is signal.SIG_IGN:
                 continue  # started with Ctrl-C ignored (nohup, a background job): keep it so
-            _BEFORE_THE_RUN.setdefault(signum, previous)
+            self._before.setdefault(signum, previous)
             signal.signal(signum, self._record)
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -105,11 +104,11 @@ class Preemption(Callback):
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if not self._active:
-            _after_the_run(signum, frame, _BEFORE_THE_RUN.get(signum, signal.SIG_DFL))
+            _after_the_run(signum, frame, self._before.get(signum, signal.SIG_DFL))
             return
         if signum == signal.SIGINT and self._received is not None:
             # A second Ctrl-C: stop now, through Lightning's KeyboardInterrupt shutdown (which kills child ranks).
-            signal.signal(signal.SIGINT, _BEFORE_THE_RUN.get(signal.SIGINT, signal.default_int_handler))
+            signal.signal(signal.SIGINT, self._before.get(signal.SIGINT, signal.default_int_handler))
             raise KeyboardInterrupt
         if self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
@@ -234,13 +233,18 @@ def _after_the_run(signum: int, frame: FrameType | None, before: Any) -> None:
     os._exit(128 + signum)  # what the default action does, without the interpreter's clean-up
 
 
-def restore_signal_handlers() -> None:
-    """The command has ended: signals go where they went before its run (for callers that go on, such as tests)."""
+def signal_handlers() -> dict[int, Any]:
+    """The process's signal handlers now, for ``restore_signal_handlers`` when a command ends."""
+    return {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
+
+
+def restore_signal_handlers(handlers: dict[int, Any]) -> None:
+    """Signals go where they went when ``handlers`` were read (a command has ended: for callers that go on, such as
+    tests). A handler installed outside Python (None) cannot be put back, and only the main thread sets handlers."""
     if threading.current_thread() is not threading.main_thread():
         return
-    while _BEFORE_THE_RUN:
-        signum, handler = _BEFORE_THE_RUN.popitem()
-        if handler is not None:
+    for signum, handler in handlers.items():
+        if handler is not None and signal.getsignal(signum) != handler:
             signal.signal(signum, handler)
 
 
