@@ -306,7 +306,7 @@ class CLI(LightningCLI):
         kwargs = {
             **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
-            **wiring.strategy(trainer_config),
+            **wiring.strategy(trainer_config, config.get("trainer.strategy"), built.get("watchdog")),
             **wiring.callbacks(
                 trainer_config,
                 subcommand,
@@ -321,7 +321,8 @@ class CLI(LightningCLI):
 
         def build() -> Trainer:
             wiring.check_devices(trainer_config)
-            trainer = super(CLI, self).instantiate_trainer(**kwargs)
+            with wiring.process_group_timeout(built.get("watchdog")):
+                trainer = super(CLI, self).instantiate_trainer(**kwargs)
             wiring.after_trainer(trainer, built.get("float32_matmul_precision"), trainer_config.get("callbacks"))
             rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
             return trainer

@@ -14,24 +14,16 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 from jsonargparse.typing import NonNegativeFloat, PositiveFloat
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from template.engine.errors import chain, full_traceback
-from template.engine.internals import (
-    cluster_environment,
-    launched_children,
-    on_child_failure,
-    process_group_timeout,
-    set_process_group_timeout,
-)
+from template.engine.internals import cluster_environment, launched_children, on_child_failure
 from template.engine.jobs.processes import die_with_parent
 from template.engine.logs.console import Mechanism
 from template.engine.runs.folder import checkpoint_dir, newest
@@ -74,14 +66,6 @@ class HangWatchdog(Callback):
         self._dead: DeadRank | None = None  # in the launcher: the child rank whose death made it fail
         self._launcher_wait: float | None = None  # in a rank it started: how long to wait for the launcher's word
         self._failing: threading.Event | None = None  # set when the launcher fails: it reports a dead child itself
-
-    def arm(self, trainer: Trainer) -> None:
-        """Give the process group this timeout; called before the trainer starts its processes."""
-        strategy = trainer.strategy
-        # DDP, FSDP and DeepSpeed keep the process-group timeout here. Lightning's default (30 min) means nobody
-        # chose one; an explicit DDPStrategy(timeout=...) is kept.
-        if process_group_timeout(strategy) == default_pg_timeout:
-            set_process_group_timeout(strategy, timedelta(seconds=self.timeout))
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._dead = None
