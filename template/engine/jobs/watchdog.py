@@ -127,12 +127,9 @@ class HangWatchdog(Callback):
         _kill(alive)
 
     def dead_rank(self, err: BaseException) -> DeadRank | None:
-        """The rank whose death made this process fail with ``err``, if this process knows it.
-
-        The launcher knows its children's ends. A rank it started whose collective failed waits here: either rank 0
-        died (this rank's watching thread reports it and ends the process) or another rank did (rank 0 reports that
-        one and kills this rank); only if neither happens in time does it go on to its own traceback.
-        """
+        """The rank whose death made this process fail with ``err``, if this process knows it: the launcher knows its
+        children's. A rank it started whose collective failed waits here for the launcher's word (rank 0 reports a
+        dead rank and kills this one; if rank 0 died, this rank's watching thread says so), then fails on its own."""
         if self._dead is None and self._launcher_wait is not None and lost_peer(err):
             time.sleep(self._launcher_wait)
         return self._dead
@@ -214,7 +211,7 @@ class DeadRank:
 
 def _report_and_exit(dead: DeadRank, exception: BaseException | None = None) -> None:
     """Print ``dead``'s line and end this process now, from any thread (the main one may be blocked in a collective).
-    One thread of a process reports: the launcher's watching thread, a child's launcher-watch, or a torchrun rank."""
+    A process has one thread that reports: the launcher's child watcher, a child's launcher-watch or the main one."""
     if exception is not None and full_traceback():
         traceback.print_exception(exception)
     print(f"error: {dead.line()}", file=sys.stderr, flush=True)
@@ -260,12 +257,9 @@ def lost_peer(err: BaseException) -> bool:
 
 
 def end_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, while it is still whole.
-
-    Lightning does this for NCCL only. A gloo group left to the interpreter's finalisation aborts the process now and
-    then (``terminate called without an active exception``): gloo's threads still hold the last collective's work
-    when Python is torn down, and a rank that aborts after a finished run fails the job.
-    """
+    """Destroy the default process group when the interpreter exits, while it is still whole. Lightning does it for
+    NCCL only; a gloo group left to the interpreter's finalisation now and then aborts the process (``terminate called
+    without an active exception``), which fails a finished job."""
     atexit.unregister(_end_process_group)  # registered once, however many Trainers this process sets up
     atexit.register(_end_process_group)
 
