@@ -106,6 +106,15 @@ def test_an_explicit_strategy_timeout_is_kept(tmp_path: Path, monkeypatch: pytes
     explicit = ["--trainer.strategy=lightning.pytorch.strategies.DDPStrategy", "--trainer.strategy.timeout=0:00:42"]
     strategy = _built_by_the_command_line(*explicit, "--watchdog.timeout=7").strategy
     assert internals.process_group_timeout(strategy) == timedelta(seconds=42)
+    # Built from objects of its own (the config holds them as classes), it is not built again: a warning says so.
+    environment = "lightning.fabric.plugins.environments.LightningEnvironment"
+    own = [
+        "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy",
+        f"--trainer.strategy.cluster_environment={environment}",
+    ]
+    with pytest.warns(UserWarning, match="set trainer.strategy.init_args.timeout"):
+        strategy = _built_by_the_command_line(*own, "--watchdog.timeout=7").strategy
+    assert internals.process_group_timeout(strategy) == timedelta(minutes=30)
 
 
 def test_no_process_group_no_timeout() -> None:

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ProgressBar
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
 from template.engine.internals import PROCESS_GROUP_STRATEGIES, skip_idle_step_hooks
@@ -80,8 +80,13 @@ def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatc
     if not (timeout and isinstance(chosen, PROCESS_GROUP_STRATEGIES) and isinstance(configured, Namespace)):
         return {}
     init_args = configured.init_args.as_dict() if configured.get("init_args") else {}
-    # Objects among its arguments are only classes in the config: such a strategy keeps Lightning's default.
-    if init_args.get("timeout") != default_pg_timeout or any(isinstance(v, dict) for v in init_args.values()):
+    if init_args.get("timeout") != default_pg_timeout:
+        return {}
+    if any(isinstance(value, dict) for value in init_args.values()):  # objects the config holds only as classes
+        rank_zero_warn(
+            f"trainer.strategy ({type(chosen).__name__}) is built from objects of its own: its process group keeps "
+            f"Lightning's timeout ({default_pg_timeout}); set trainer.strategy.init_args.timeout to bound a hang"
+        )
         return {}
     return {"strategy": type(chosen)(**{**init_args, **timeout})}
 
