@@ -16,18 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 from jsonargparse import ArgumentParser
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from template.engine import internals
-from template.engine.jobs.watchdog import HangWatchdog
 from template.engine.resume.loader import RandomSampler
 from template.engine.strategies.scaling import scale_learning_rates
 
@@ -54,40 +52,69 @@ def test_missing_name_fails_loudly_with_package_version_and_fix() -> None:
 # --- process groups -------------------------------------------------------------------------------------------------
 
 
-def test_watchdog_timeout_reaches_the_process_group(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
-    """``strategy._timeout``: the watchdog's timeout is what Lightning passes to ``init_process_group``."""
-    import torch.distributed as dist
+def _built_by_the_command_line(*options: str) -> Trainer:
+    """The Trainer ``fit`` would build with ``options`` (built only: nothing runs)."""
+    from template.engine.commands.cli import build_cli
 
-    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+    quiet = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_progress_bar=false"]
+    return build_cli([*quiet, *options], run=False).trainer
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["--trainer.strategy=ddp"],
+        ["--trainer.strategy=fsdp"],
+        ["--trainer.strategy=ddp_spawn"],
+        ["--trainer.strategy.class_path=lightning.pytorch.strategies.DDPStrategy"],
+        [],  # auto: Lightning picks ddp for two devices
+    ],
+    ids=["ddp", "fsdp", "ddp_spawn", "class_path", "auto"],
+)
+def test_watchdog_timeout_reaches_the_process_group(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, strategy: list[str]
+) -> None:
+    """The watchdog's timeout is what Lightning passes to ``init_process_group``, however the strategy is named; it
+    is ``strategy._timeout``, which a torchrun restart reads to create the group itself, as is the backend."""
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
-    trainer = _trainer(strategy="ddp", default_root_dir=tmp_path)
-    strategy = trainer.strategy
-    assert internals.process_group_timeout(strategy) == default_pg_timeout
-    HangWatchdog(timeout=7).arm(trainer)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # Lightning sets them when it creates the group: put back after the test
+    monkeypatch.chdir(tmp_path)
+    strategy = _built_by_the_command_line(*strategy, "--trainer.devices=2", "--watchdog.timeout=7").strategy
     assert internals.process_group_timeout(strategy) == timedelta(seconds=7)
     assert internals.process_group_backend(strategy) == "gloo"
+    assert "timeout" not in StrategyRegistry["ddp"]["init_params"], "Lightning's registry is as it was"
 
-    created = {}
-    real = dist.init_process_group
+    class Created(Exception):
+        """What Lightning asked of torch.distributed; the group itself would wait for the second process."""
 
     def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        created.update(kwargs, backend=args[0] if args else kwargs.get("backend"))
-        return real(*args, **kwargs)
+        raise Created({**kwargs, "backend": args[0] if args else kwargs.get("backend")})
 
     monkeypatch.setattr(dist, "init_process_group", recording)
-    try:
-        strategy.setup_distributed()
-        assert dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    assert created["timeout"] == timedelta(seconds=7) and created["backend"] == "gloo"
+    with pytest.raises(Created) as created:
+        strategy.setup_environment()
+    assert created.value.args[0]["timeout"] == timedelta(seconds=7) and created.value.args[0]["backend"] == "gloo"
 
 
-def test_an_explicit_strategy_timeout_is_kept() -> None:
-    trainer = _trainer(strategy=DDPStrategy(timeout=timedelta(seconds=42)))
-    HangWatchdog(timeout=7).arm(trainer)
-    assert internals.process_group_timeout(trainer.strategy) == timedelta(seconds=42)
+def test_an_explicit_strategy_timeout_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    explicit = ["--trainer.strategy=lightning.pytorch.strategies.DDPStrategy", "--trainer.strategy.timeout=0:00:42"]
+    strategy = _built_by_the_command_line(*explicit, "--watchdog.timeout=7").strategy
+    assert internals.process_group_timeout(strategy) == timedelta(seconds=42)
+    # Built from objects of its own (the config holds them as classes), it is not built again: a warning says so.
+    environment = "lightning.fabric.plugins.environments.LightningEnvironment"
+    own = [
+        "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy",
+        f"--trainer.strategy.cluster_environment={environment}",
+    ]
+    with pytest.warns(UserWarning, match="set trainer.strategy.init_args.timeout"):
+        strategy = _built_by_the_command_line(*own, "--watchdog.timeout=7").strategy
+    assert internals.process_group_timeout(strategy) == timedelta(minutes=30)
 
 
 def test_no_process_group_no_timeout() -> None:

@@ -44,7 +44,7 @@ def _require(obj: Any, attribute: str, package: str, needed_for: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Lightning: process groups (watchdog, torchrun restarts)
+# Lightning: process groups (the watchdog's timeout, torchrun restarts)
 
 # The strategies that create a torch.distributed process group with a timeout (DeepSpeed derives from DDP).
 PROCESS_GROUP_STRATEGIES: tuple[type[Strategy], ...] = (DDPStrategy, FSDPStrategy, ModelParallelStrategy)
@@ -53,24 +53,13 @@ PROCESS_GROUP_STRATEGIES: tuple[type[Strategy], ...] = (DDPStrategy, FSDPStrateg
 def process_group_timeout(strategy: Strategy) -> timedelta | None:
     """The timeout the strategy will give its process group; None for a strategy without one (one device, dp).
 
-    The hang watchdog reads it to tell Lightning's default (nobody chose one) from a ``timeout=`` a user set;
-    Lightning keeps it in ``strategy._timeout`` and passes it to ``init_process_group`` in ``setup_distributed``.
+    After a torchrun restart the engine creates the process group itself, with the timeout Lightning would give it
+    (the watchdog's, or one the user set); Lightning keeps it in ``strategy._timeout`` and passes it to
+    ``init_process_group`` in ``setup_distributed``.
     """
     if not isinstance(strategy, PROCESS_GROUP_STRATEGIES):
         return None
-    return _require(strategy, "_timeout", "lightning", "the hang watchdog (watchdog.timeout)")
-
-
-def set_process_group_timeout(strategy: Strategy, timeout: timedelta) -> None:
-    """Give the process group this timeout: the watchdog's bound on a hung collective.
-
-    Must run before ``setup_distributed`` (the process group is created with it). ``DDPStrategy(timeout=...)`` is the
-    public way, but the Trainer builds the strategy from a name, so the watchdog sets it on the built strategy.
-    """
-    if not isinstance(strategy, PROCESS_GROUP_STRATEGIES):
-        raise TypeError(f"{type(strategy).__name__} creates no process group; nothing to time out")
-    _require(strategy, "_timeout", "lightning", "the hang watchdog (watchdog.timeout)")
-    strategy._timeout = timeout
+    return _require(strategy, "_timeout", "lightning", "joining a restarted torchrun group")
 
 
 def process_group_backend(strategy: Strategy) -> str | None:

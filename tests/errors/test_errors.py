@@ -80,7 +80,7 @@ CASES = {
     ),
     "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
-    "watchdog-timeout": (["--watchdog.timeout=0"], ["watchdog.timeout", "0"]),
+    "watchdog-timeout": (["--watchdog.timeout=0"], ["'0'", "watchdog.timeout", "must be > 0"]),
     # Values a library refuses when the classes are built, or when the optimizer is built from the parameters.
     "optimizer-lr": (
         ["--model.optimizer.init_args.lr=-0.001"],
@@ -120,7 +120,7 @@ CASES = {
             f"--trainer.logger={PACKAGE}.engine.logs.loggers.CSVLogger",
             *("--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.save_interval=-3"),
         ],
-        ["save_interval=-3.0", "use e.g. 5"],
+        ["'-3'", "trainer.logger.init_args.save_interval", "must be >= 0"],
     ),
 }
 MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": pytest.mark.gpu(1)}

@@ -64,8 +64,9 @@ def test_a_collectives_lost_peer_is_told_from_other_errors() -> None:
     except ValueError as wrapped:
         assert watchdog.lost_peer(wrapped)
     assert not watchdog.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    # A process that knows of no dead rank (one process, or nothing recorded) keeps the exception's own report.
-    assert watchdog.dead_rank(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    # A process that knows of no dead rank (no trainer yet, or nothing recorded) keeps the exception's own report.
+    shapes = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert watchdog.dead_rank(shapes, None) is None and watchdog.HangWatchdog().dead_rank(shapes) is None
 
 
 def test_full_traceback_shows_the_exception_behind_an_error_line(

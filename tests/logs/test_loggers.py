@@ -120,3 +120,17 @@ def test_a_failed_save_leaves_metrics_csv_as_it_was(tmp_path: Path, monkeypatch:
             logger.save()
         assert path.read_bytes() == before
     monkeypatch.setattr(csv_module.DictWriter, "writerows", real)
+
+
+@pytest.mark.parametrize("value", ["-3", "nan"])
+def test_a_save_interval_below_zero_or_not_a_number_is_refused_by_the_parser(value: str) -> None:
+    from jsonargparse import ArgumentParser
+
+    from template.engine.errors import explain_parser_error
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(CSVLogger, "logger")
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - jsonargparse's own ArgumentError
+        parser.parse_args(["--logger.save_dir=logs", f"--logger.save_interval={value}"])
+    line = explain_parser_error(str(refused.value))
+    assert line == f"invalid value '{value}' for 'logger.save_interval'; it must be >= 0"

@@ -40,7 +40,7 @@ from template.engine.errors import (
     full_traceback,
     one_line,
 )
-from template.engine.jobs.preemption import restore_signal_handlers
+from template.engine.jobs.preemption import restore_signal_handlers, signal_handlers
 from template.engine.jobs.processes import join_restarted_group
 from template.engine.jobs.watchdog import HangWatchdog, dead_rank
 from template.engine.logs.console import first_lines
@@ -164,7 +164,10 @@ class ArgumentParser(LightningArgumentParser):
 class CLI(LightningCLI):
     """The project's command line: ``python -m <package> {fit,validate,test,predict} --config configs/x.yaml``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, started: list[CLI] | None = None, **kwargs: Any) -> None:
+        # `started` gets this command line before it runs: its caller keeps it when the run raises.
+        if started is not None:
+            started.append(self)
         # The subcommand the command line names, if it names one first: only its parser is built (LightningCLI
         # builds a full parser for each of the four, three of them unused, a third of a second each here).
         argv = kwargs.get("args")
@@ -303,7 +306,7 @@ class CLI(LightningCLI):
         kwargs = {
             **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
-            **wiring.strategy(trainer_config),
+            **wiring.strategy(trainer_config, config.get("trainer.strategy"), built.get("watchdog")),
             **wiring.callbacks(
                 trainer_config,
                 subcommand,
@@ -318,7 +321,8 @@ class CLI(LightningCLI):
 
         def build() -> Trainer:
             wiring.check_devices(trainer_config)
-            trainer = super(CLI, self).instantiate_trainer(**kwargs)
+            with wiring.process_group_timeout(built.get("watchdog")):
+                trainer = super(CLI, self).instantiate_trainer(**kwargs)
             wiring.after_trainer(trainer, built.get("float32_matmul_precision"), trainer_config.get("callbacks"))
             rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
             return trainer
@@ -502,8 +506,11 @@ class _NoAdvertisement(logging.Filter):
         return "Tip: For seamless cloud" not in record.getMessage()
 
 
-def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI) -> CLI:
-    """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path."""
+def build_cli(
+    args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI, started: list[CLI] | None = None
+) -> CLI:
+    """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path;
+    ``started`` gets the command line before it runs."""
     rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoAdvertisement) for f in rank_zero_log.filters):
         rank_zero_log.addFilter(_NoAdvertisement())
@@ -521,6 +528,7 @@ def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[C
         parser_kwargs={"prog": PROGRAM, "description": _plain_commands_help()},
         args=args,
         run=run,
+        started=started,
     )
 
 
@@ -541,6 +549,8 @@ def main(args: list[str] | None = None) -> None:
     # torchdata's StatefulDataLoader calls a torch API that torch deprecated; nothing for the user to change.
     warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
     argv = sys.argv[1:] if args is None else list(args)
+    handlers = signal_handlers()
+    started: list[CLI] = []  # the command line, kept when its run raises: its trainer knows what ended the job
     try:
         command = COMMANDS.get(argv[0]) if argv else None
         if command is not None and command.runs is not None:
@@ -550,9 +560,9 @@ def main(args: list[str] | None = None) -> None:
             if code:
                 sys.exit(code)
             return
-        build_cli(args)
+        build_cli(args, started=started)
     except Exception as err:
-        code, line = _verdict(err)
+        code, line = _verdict(err, getattr(started[0], "trainer", None) if started else None)
         if code is None:
             # The user's code, another library or the engine: the traceback is the report. Say first whose code it is.
             blame.print_user_code_line(err)
@@ -569,17 +579,17 @@ def main(args: list[str] | None = None) -> None:
         if args is not None:
             # Called from Python, which goes on. Run as the program (argv), the process ends with the command: the
             # run's handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.
-            restore_signal_handlers()
+            restore_signal_handlers(handlers)
 
 
-def _verdict(err: Exception) -> tuple[int | None, str]:
+def _verdict(err: Exception, trainer: Trainer | None) -> tuple[int | None, str]:
     """The exit code and the one line for a mistake (2), a failure of the disk (3) or a rank of the job that died
     (128 + its signal, or its exit code); (None, "") for anything else."""
     if (config := config_error_in(err)) is not None:
         return 2, str(config)
     if (disk := disk_error_in(err)) is not None:
         return 3, str(disk)
-    if (dead := dead_rank(err)) is not None:
+    if (dead := dead_rank(err, trainer)) is not None:
         return dead.exit_code, f"{dead.line()} ({TRACEBACK_VARIABLE}=1 shows this rank's traceback)"
     if blame.user_function_calling(err) is None and blame.refused_by(err, package="lightning") is not None:
         # Lightning alone refused a Trainer setting when it met the data (val_check_interval above an epoch's batches).

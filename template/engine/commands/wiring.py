@@ -7,20 +7,25 @@ the run's first lines list.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import Namespace
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ProgressBar
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from template.engine.errors import ConfigError, explain_trainer_error, one_line
-from template.engine.internals import skip_idle_step_hooks
+from template.engine.internals import PROCESS_GROUP_STRATEGIES, skip_idle_step_hooks
 from template.engine.jobs.preemption import Preemption
 from template.engine.jobs.watchdog import HangWatchdog
 from template.engine.logs.console import MonitorCheck, TimedProgressBar
@@ -60,10 +65,52 @@ def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
     return {"plugins": [AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
 
 
-def strategy(trainer_config: dict[str, Any]) -> dict[str, Any]:
-    """The ``strategy`` argument: ``fsdp`` as an instance of the project's FSDP2 strategy, since Lightning refuses
-    the name "fsdp" on CPUs before it looks the name up; {} keeps the config's."""
-    return {"strategy": FSDP2Strategy()} if trainer_config.get("strategy") == FSDP2Strategy.strategy_name else {}
+def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatchdog | None) -> dict[str, Any]:
+    """The ``strategy`` argument, with the watchdog's timeout for its process group; {} keeps the config's.
+
+    ``fsdp`` is built here (Lightning refuses the name on CPUs before it looks it up). A process-group strategy given
+    by class_path (``configured``: the config's entry, unbuilt) whose timeout is Lightning's default, which means
+    nobody chose one, is built again with the watchdog's; one with a timeout of its own keeps it.
+    ``process_group_timeout`` gives the watchdog's to the strategies Lightning builds from a name.
+    """
+    chosen = trainer_config.get("strategy")
+    timeout = {"timeout": timedelta(seconds=watchdog.timeout)} if watchdog is not None else {}
+    if chosen == FSDP2Strategy.strategy_name:
+        return {"strategy": FSDP2Strategy(**timeout)}
+    if not (timeout and isinstance(chosen, PROCESS_GROUP_STRATEGIES) and isinstance(configured, Namespace)):
+        return {}
+    init_args = configured.init_args.as_dict() if configured.get("init_args") else {}
+    if init_args.get("timeout") != default_pg_timeout:
+        return {}
+    if any(isinstance(value, dict) for value in init_args.values()):  # objects the config holds only as classes
+        rank_zero_warn(
+            f"trainer.strategy ({type(chosen).__name__}) is built from objects of its own: its process group keeps "
+            f"Lightning's timeout ({default_pg_timeout}); set trainer.strategy.init_args.timeout to bound a hang"
+        )
+        return {}
+    return {"strategy": type(chosen)(**{**init_args, **timeout})}
+
+
+@contextlib.contextmanager
+def process_group_timeout(watchdog: HangWatchdog | None) -> Iterator[None]:
+    """While the Trainer is built, each process-group strategy Lightning builds from a name (the config's, or ddp,
+    which "auto" picks for several devices) gets the watchdog's timeout: its StrategyRegistry entry has it among its
+    init params, unless the entry sets one of its own, and is put back afterwards."""
+    if watchdog is None:
+        yield
+        return
+    timeout = timedelta(seconds=watchdog.timeout)
+    entries = {
+        name: entry
+        for name, entry in StrategyRegistry.items()
+        if issubclass(entry["strategy"], PROCESS_GROUP_STRATEGIES) and "timeout" not in entry["init_params"]
+    }
+    try:
+        for name, entry in entries.items():
+            StrategyRegistry[name] = {**entry, "init_params": {**entry["init_params"], "timeout": timeout}}
+        yield
+    finally:
+        StrategyRegistry.update(entries)
 
 
 def callbacks(
@@ -111,8 +158,8 @@ def check_devices(trainer_config: dict[str, Any]) -> None:
 
 
 def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: Any = None) -> None:
-    """What needs the built Trainer: matmul precision, the launcher's process count, the watchdog's timeout, and
-    idle per-batch hooks skipped on every callback but the user's (``configured``, the config's callbacks)."""
+    """What needs the built Trainer: matmul precision, the launcher's process count, and idle per-batch hooks
+    skipped on every callback but the user's (``configured``, the config's callbacks)."""
     apply_matmul_precision(matmul_precision, trainer)
     users = {id(c) for c in (configured if isinstance(configured, list) else [configured] if configured else [])}
     for callback in trainer.callbacks:
@@ -123,9 +170,6 @@ def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: An
     launcher = getattr(trainer.strategy, "launcher", None)
     if getattr(launcher, "cluster_environment", None) is not None:
         launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
-    for callback in trainer.callbacks:
-        if isinstance(callback, HangWatchdog):
-            callback.arm(trainer)
 
 
 def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config: dict[str, Any]) -> Trainer:

@@ -47,6 +47,15 @@ def explain_parser_error(message: str) -> str:
         return f"unknown option '{m.group(1) or m.group(2)}'; check its spelling and nesting, or {help_hint}"
     if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
         return f"unknown argument(s) {m.group(1)}; {help_hint}"
+    # A value outside the range of an option's restricted type (PositiveFloat, ...), also an init_args one.
+    if m := re.search(
+        r'Parser key "([^"]+)":(?:.*?class_path.*?Parser key "([^"]+)":)? Not of type \S+: (.*?) does not conform to '
+        r"restriction (.*)$",
+        text,
+    ):
+        key = f"{m.group(1)}.init_args.{m.group(2)}" if m.group(2) else m.group(1)
+        bound = re.sub(r"v([<>=!]+)", r"\1 ", m.group(4))  # v>=0 -> >= 0
+        return f"invalid value {m.group(3)!r} for '{key}'; it must be {bound}"
     # A bad init_args value is reported by jsonargparse as a problem with the whole class_path.
     if m := re.search(
         r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text

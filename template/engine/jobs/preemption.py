@@ -25,30 +25,23 @@ from template.engine.resume.states import exact_resume_point
 from template.engine.runs.folder import checkpoint_dir
 
 INTERRUPTED = "interrupted.ckpt"
-# The handlers in place before a run installed its own, restored when the command ends.
-_BEFORE_THE_RUN: dict[int, Any] = {}
 
 
 class Preemption(Callback):
     """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C (SIGINT), write a checkpoint at the next point from which
     the same command continues exactly, and stop with exit code 128 + the signal.
 
-    Lightning's own SLURM handler saves inside the signal handler: in the middle of a step (not an exact resume)
-    and, under DDP, with collectives that the other ranks are not in (a hang). Lightning's SIGTERM handling ends the
-    run with exit code 0 during the sanity check, the last validation batch or after the last step, and Ctrl-C
-    loses the work since the last checkpoint. Here the handlers, installed when fit sets up, only record the signal;
-    all ranks agree on it at the same point (``resume.exact_resume_point``: a training batch's end that neither
-    accumulates gradients nor precedes a validation or the epoch's end; the end of an epoch; the end of training),
-    write ``interrupted.ckpt`` together, rank zero asks SLURM to requeue the job (``scontrol requeue``, when
-    Lightning's ``SLURMEnvironment.auto_requeue`` is on), and the run stops. A validation under way is finished first:
-    Lightning resumes a checkpoint written inside one inexactly. A signal in the sanity check stops at once without a
-    checkpoint: nothing has been trained. A second Ctrl-C stops at once (``KeyboardInterrupt``, Lightning's own
-    shutdown).
+    Lightning's own handling saves inside the signal handler (mid-step, and under DDP with collectives the other ranks
+    are not in), exits 0 in some places and loses the work since the last checkpoint on Ctrl-C. Here the handlers,
+    installed when fit sets up, only record the signal; all ranks agree on it at the same safe point
+    (``resume.exact_resume_point``, an epoch's end, the end of training), write ``interrupted.ckpt`` together, rank
+    zero asks SLURM to requeue the job (when ``SLURMEnvironment.auto_requeue`` is on), and the run stops. A validation
+    under way is finished first; a signal in the sanity check stops without a checkpoint (nothing is trained); a
+    second Ctrl-C stops at once, through Lightning's ``KeyboardInterrupt`` shutdown.
 
-    Several processes compare their signals in a collective (a host-device sync on GPUs) at a stride of training
-    batches that all of them agree on at each comparison: batches worth about ``check_interval`` seconds at the pace
-    since the last comparison, at most twice the last stride. The stop is taken at the first safe point at or after
-    the next comparison, and at every epoch's end.
+    Several processes compare their signals in a collective every ``stride`` training batches, agreed at each
+    comparison: batches worth about ``check_interval`` seconds at the pace since the last one, at most twice the last
+    stride. The stop is taken at the first safe point at or after a comparison that found a signal.
     """
 
     announcement = Mechanism(
@@ -60,13 +53,11 @@ class Preemption(Callback):
     def __init__(self, check_interval: float = 1.0) -> None:
         self.check_interval = check_interval
         self._restart_stride()
-        self._received: int | None = None
-        self._stopping: tuple[int, str, bool] | None = None
+        self._received: int | None = None  # the signal this process recorded
+        self._stopped: int | None = None  # the signal the run stopped on
         self.signalled_at: float | None = None
+        self._before: dict[int, Any] = {}  # the handlers this run replaced
         self._active = False  # between setup and the end of fit the handlers record; after it they end the process
-
-    def _signals(self, trainer: Trainer) -> list[int]:
-        return [signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT]
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # From the start of fit, before Lightning installs its SIGTERM handler (just before the sanity check), so
@@ -74,11 +65,11 @@ class Preemption(Callback):
         if stage != "fit" or self._active or threading.current_thread() is not threading.main_thread():
             return
         self._active = True
-        for signum in self._signals(trainer):
+        for signum in (signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT):
             previous = signal.getsignal(signum)
             if signum == signal.SIGINT and previous is signal.SIG_IGN:
                 continue  # started with Ctrl-C ignored (nohup, a background job): keep it so
-            _BEFORE_THE_RUN.setdefault(signum, previous)
+            self._before.setdefault(signum, previous)
             signal.signal(signum, self._record)
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -94,31 +85,29 @@ class Preemption(Callback):
         self._agreed_time = time.monotonic()
 
     def _take_over_sigterm(self, trainer: Trainer) -> None:
-        """Replace the SIGTERM handler Lightning installs after ``on_fit_start`` (it calls ours too, and sets
-        ``received_sigterm``, which this reads for a SIGTERM that came in between). Lightning restores the handlers
-        it found, ours, when the run ends; outside fit ours pass the signal on."""
+        """Replace the SIGTERM handler Lightning installs after ``on_fit_start``, taking over a SIGTERM it recorded
+        meanwhile (``received_sigterm``). Lightning puts ours back when the run ends."""
         if not self._active or threading.current_thread() is not threading.main_thread():
             return
-        if trainer.received_sigterm and self._received is None and self._stopping is None:
+        if trainer.received_sigterm and self._received is None and self._stopped is None:
             self._record(signal.SIGTERM, None)
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if not self._active:
-            _after_the_run(signum, frame, _BEFORE_THE_RUN.get(signum, signal.SIG_DFL))
-            return
-        if signum == signal.SIGINT and self._received is not None:
+            _after_the_run(signum, frame, self._before.get(signum, signal.SIG_DFL))
+        elif signum == signal.SIGINT and self._received is not None:
             # A second Ctrl-C: stop now, through Lightning's KeyboardInterrupt shutdown (which kills child ranks).
-            signal.signal(signal.SIGINT, _BEFORE_THE_RUN.get(signal.SIGINT, signal.default_int_handler))
+            signal.signal(signal.SIGINT, self._before.get(signal.SIGINT, signal.default_int_handler))
             raise KeyboardInterrupt
-        if self._received is None:
+        elif self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
 
     # The points a stop is taken at: every rank is in the same hook, and a checkpoint written there resumes exactly.
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        # Lightning ends the loop after this step's logging, as it does on its own SIGTERM handling. One process
-        # without a signal has nothing to do; several agree on the signal at the first safe point of their stride.
+        # Lightning ends the loop after this step's logging, as on its own SIGTERM. One process without a signal has
+        # nothing to do; several agree on the signal at the first safe point of their stride.
         self._batches += 1
         due = self._batches >= self._due if trainer.world_size > 1 else self._received is not None
         if due and exact_resume_point(trainer):
@@ -129,8 +118,7 @@ class Preemption(Callback):
             self._stop_if_signalled(trainer, raise_now=True, save=False)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning raises its SIGTERMException after the epoch's end, the last epoch's included.
-        self._stop_if_signalled(trainer, raise_now=False)
+        self._stop_if_signalled(trainer, raise_now=False)  # Lightning raises its SIGTERMException after the epoch
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After the last step: the checkpoint holds the finished run, from which the same command trains no more.
@@ -140,63 +128,47 @@ class Preemption(Callback):
         self._stop_after_training()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        try:
-            self._stop_after_training()
-        finally:
-            self._end()
+        if stage == "fit":
+            try:
+                self._stop_after_training()
+            finally:
+                self._active = False  # the run is over: a signal now ends the process (``_after_the_run``)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._stopping is not None and isinstance(exception, SIGTERMException):
-            # Lightning's SIGTERMException exits 0; a run stopped before its end exits 128 + the signal, as if killed.
-            # A rank that Lightning's launcher started exits 0: the launching process reports the job's code, and
-            # the launcher kills it the moment a child exits non-zero, before it has written the run's logs.
-            exception.code = 0 if _started_by_lightnings_launcher(trainer) else 128 + self._stopping[0]
-        if isinstance(exception, SIGTERMException):
-            self._end()
         # A failing run (a rank died, the user's code raised) records signals until the command ends: the SIGTERM a
         # launcher sends the surviving ranks must not replace the failure's own line with a stop's.
-
-    def _end(self) -> None:
-        """The run is over. Until the command ends (``restore_signal_handlers``) a signal ends the process at once,
-        with a line and exit code 128 + the signal: the run's files are written. Lightning reinstalls this handler
-        at its teardown."""
+        if not isinstance(exception, SIGTERMException):
+            return
+        if self._stopped is not None:
+            # Lightning's SIGTERMException exits 0; a stop before the run's end exits 128 + the signal. A rank that
+            # Lightning's launcher started exits 0: the launcher reports the job's code, and would kill the job the
+            # moment a child exits non-zero, before it has written the run's logs.
+            exception.code = 0 if _started_by_lightnings_launcher(trainer) else 128 + self._stopped
         self._active = False
 
     def _stop_if_signalled(self, trainer: Trainer, raise_now: bool, save: bool = True) -> None:
-        if self._stopping is not None:
+        if self._stopped is not None or (signum := self._agreed_signal(trainer)) is None:
             return
-        signum = self._agreed_signal(trainer)
-        if signum is None:
-            return
-        path = ""
-        if save:
-            path = str(Path(checkpoint_dir(trainer)) / INTERRUPTED)
-            # weights_only=False: the whole training state (Lightning logs a line when it is not said).
-            trainer.save_checkpoint(path, weights_only=False)  # the logs up to this step are written first
-        requeued = signum == _requeue_signal(trainer) and _auto_requeue(trainer) and _requeue(trainer)
-        self._stopping = (signum, path, requeued)
-        # A stop before any training step (the sanity check) needs no checkpoint: the run's newest one (none on a
-        # first start) is where it started, and a resumed run skips the sanity check.
-        name = signal.Signals(signum).name
+        path = str(Path(checkpoint_dir(trainer)) / INTERRUPTED) if save else ""
+        if save:  # the whole training state; the logs up to this step are written first
+            trainer.save_checkpoint(path, weights_only=False)
+        requeued = _requeue(trainer, signum)
+        self._stopped = signum
+        name, after = signal.Signals(signum).name, self._after()
         then = "the job is requeued and continues by itself" if requeued else "run the same command to continue"
-        if save:
-            rank_zero_info(f"Stopping on {name}: checkpoint {path} written{self._after()}; {then}")
-        else:
-            rank_zero_info(f"Stopping on {name} in the sanity check{self._after()}: nothing trained yet; {then}")
-        # Lightning ends the loop as on its own SIGTERM handling (other callbacks can read trainer.received_sigterm).
-        stop_as_on_sigterm(trainer)
+        # In the sanity check nothing is trained yet: the run's newest checkpoint (if any) is where it started.
+        done = f": checkpoint {path} written{after}" if save else f" in the sanity check{after}: nothing trained yet"
+        rank_zero_info(f"Stopping on {name}{done}; {then}")
+        stop_as_on_sigterm(trainer)  # Lightning ends the loop as on its own SIGTERM (``trainer.received_sigterm``)
         if raise_now:
             raise SIGTERMException(128 + signum)
 
     def _stop_after_training(self) -> None:
-        """A signal after the last safe point (the end of training): the checkpoints are written, nothing is left to
-        save, and no collective is safe (a rank may be past its last one); the run still ends non-zero."""
-        if self._stopping is not None or self._received is None or not self._active:
+        """A signal after the last safe point: the checkpoints are written, nothing is left to save, and no collective
+        is safe (a rank may be past its last one); the run still ends non-zero."""
+        if self._stopped is not None or self._received is None or not self._active:
             return
-        signum = self._received
-        self._stopping = (signum, "", False)
+        self._stopped = signum = self._received
         name = signal.Signals(signum).name
         rank_zero_info(f"Stopping on {name} after training ended{self._after()}: its checkpoints are written")
         raise SIGTERMException(128 + signum)
@@ -234,14 +206,18 @@ def _after_the_run(signum: int, frame: FrameType | None, before: Any) -> None:
     os._exit(128 + signum)  # what the default action does, without the interpreter's clean-up
 
 
-def restore_signal_handlers() -> None:
-    """The command has ended: signals go where they went before its run (for callers that go on, such as tests)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    while _BEFORE_THE_RUN:
-        signum, handler = _BEFORE_THE_RUN.popitem()
-        if handler is not None:
-            signal.signal(signum, handler)
+def signal_handlers() -> dict[int, Any]:
+    """The process's signal handlers now, for ``restore_signal_handlers`` when a command ends."""
+    return {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
+
+
+def restore_signal_handlers(handlers: dict[int, Any]) -> None:
+    """Signals go where they went when ``handlers`` were read (a command has ended: for callers that go on, such as
+    tests). A handler installed outside Python (None) cannot be put back, and only the main thread sets handlers."""
+    if threading.current_thread() is threading.main_thread():
+        for signum, handler in handlers.items():
+            if handler is not None and signal.getsignal(signum) != handler:
+                signal.signal(signum, handler)
 
 
 def _started_by_lightnings_launcher(trainer: Trainer) -> bool:
@@ -256,13 +232,12 @@ def _requeue_signal(trainer: Trainer) -> int:
     return signal.SIGUSR1
 
 
-def _auto_requeue(trainer: Trainer) -> bool:
-    environment = cluster_environment(trainer)
-    return isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-
-
-def _requeue(trainer: Trainer) -> bool:
-    """Rank zero asks SLURM to put this job back in the queue; True when it accepted."""
+def _requeue(trainer: Trainer, signum: int) -> bool:
+    """Whether the job goes back in SLURM's queue: on its requeue signal with ``auto_requeue`` on, rank zero asks
+    SLURM, and True when it accepted."""
+    slurm = cluster_environment(trainer)
+    if signum != _requeue_signal(trainer) or not (isinstance(slurm, SLURMEnvironment) and slurm.auto_requeue):
+        return False
     if not trainer.is_global_zero:
         return True
     failure = requeue_slurm_job()

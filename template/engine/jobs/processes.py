@@ -1,7 +1,5 @@
-"""The job's processes and the cluster's queue: a child that ends with its parent, a SLURM job put back in the queue.
-
-Light on purpose (no torch, no Lightning): the sweep's driver uses it too.
-"""
+"""The job's processes: a child that ends with its parent, a SLURM job put back in the queue (the sweep's driver
+uses both too), the process group of a torchrun restart."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ from lightning.pytorch import Trainer
 from template.engine.internals import process_group_backend, process_group_timeout
 
 _PR_SET_PDEATHSIG = 1
-_REQUEUE_TIMEOUT = 60  # seconds; scontrol answers in well under a second on a healthy controller
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> None:
@@ -36,7 +33,7 @@ def requeue_slurm_job() -> str | None:
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     job = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
     try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=_REQUEUE_TIMEOUT)
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"scontrol requeue {job} failed ({err})"
     return None if done.returncode == 0 else f"scontrol requeue {job} failed: {done.stderr.strip()}"
@@ -50,16 +47,13 @@ def join_restarted_group(trainer: Trainer) -> None:
     fresh. Lightning keeps a process group that already exists, so this one is used from here on.
     """
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    strategy = trainer.strategy
-    environment = getattr(strategy, "cluster_environment", None)
-    if restart == 0 or not isinstance(environment, TorchElasticEnvironment) or dist.is_initialized():
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not (restart and agent_store and isinstance(environment, TorchElasticEnvironment)) or dist.is_initialized():
         return
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if (backend := process_group_backend(trainer.strategy)) is None:
         return
-    backend = process_group_backend(strategy)
-    if backend is None:
-        return
-    timeout = process_group_timeout(strategy) or timedelta(minutes=30)
+    timeout = process_group_timeout(trainer.strategy) or timedelta(minutes=30)
     store = dist.TCPStore(
         environment.main_address, environment.main_port, environment.world_size(), is_master=False, timeout=timeout
     )

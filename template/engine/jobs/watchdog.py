@@ -14,26 +14,32 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from jsonargparse.typing import NonNegativeFloat, PositiveFloat
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from template.engine.errors import ConfigError, chain, full_traceback
-from template.engine.internals import (
-    cluster_environment,
-    launched_children,
-    on_child_failure,
-    process_group_timeout,
-    set_process_group_timeout,
-)
+from template.engine.errors import chain, full_traceback
+from template.engine.internals import cluster_environment, launched_children, on_child_failure
 from template.engine.jobs.processes import die_with_parent
 from template.engine.logs.console import Mechanism
 from template.engine.runs.folder import checkpoint_dir, newest
+
+# What a collective raises on a surviving rank when a peer's connection closes (gloo), or NCCL when a peer is gone.
+_LOST_PEER = re.compile(
+    r"Connection (closed|reset) by peer|remote worker crash|Broken pipe|remote process exited|"
+    r"NCCL communicator was aborted",
+    re.IGNORECASE,
+)
+_CAUSES = {
+    "SIGKILL": " (out of memory, or kill -9 by a user or the scheduler)",
+    "SIGSEGV": " (a crash in native code: a library, an extension or a driver)",
+    "SIGBUS": " (a crash in native code, or a file it had mapped was truncated)",
+    "SIGABRT": " (native code aborted)",
+}
 
 
 class HangWatchdog(Callback):
@@ -54,32 +60,23 @@ class HangWatchdog(Callback):
         "none; raise --watchdog.timeout (Lightning's: 1800)",
     )
 
-    def __init__(self, timeout: float = 600.0, grace: float = 3.0) -> None:
-        if timeout <= 0:
-            raise ConfigError(f"watchdog.timeout must be a positive number of seconds, got {timeout}; e.g. 600")
-        if grace < 0:
-            raise ConfigError(f"watchdog.grace must be >= 0 seconds, got {grace}; e.g. 3")
+    def __init__(self, timeout: PositiveFloat = 600.0, grace: NonNegativeFloat = 3.0) -> None:
         self.timeout = timeout
         self.grace = grace
-
-    def arm(self, trainer: Trainer) -> None:
-        """Give the process group this timeout; called before the trainer starts its processes."""
-        strategy = trainer.strategy
-        # DDP, FSDP and DeepSpeed keep the process-group timeout here. Lightning's default (30 min) means nobody
-        # chose one; an explicit DDPStrategy(timeout=...) is kept.
-        if process_group_timeout(strategy) == default_pg_timeout:
-            set_process_group_timeout(strategy, timedelta(seconds=self.timeout))
+        self._dead: DeadRank | None = None  # in the launcher: the child rank whose death made it fail
+        self._launcher_wait: float | None = None  # in a rank it started: how long to wait for the launcher's word
+        self._failing: threading.Event | None = None  # set when the launcher fails: it reports a dead child itself
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        global _recorded
-        _recorded = None  # a command run earlier in this process (a test, a notebook) has ended
-        _FAILING.clear()
+        self._dead = None
+        # Made here, in each process: ddp_spawn pickles the callbacks, and an Event does not pickle.
+        self._failing = threading.Event()
         # Lightning's launcher would SIGKILL this process the moment a child exits non-zero, saying nothing of it.
         launcher = on_child_failure(lambda: self._child_failed(trainer))
         if not launcher and trainer.local_rank > 0 and launched_children(trainer) is None:
             if isinstance(cluster_environment(trainer), LightningEnvironment):
                 # Started by rank 0 (Lightning's launcher): its death is this rank's to report, then it ends.
-                _watch_launcher(trainer, os.getppid(), wait=self.grace + 10)
+                self._watch_launcher(trainer)
             else:
                 # A child rank dies with the process that started it (torchrun's agent), even when that one is
                 # SIGKILLed and runs no cleanup: a hung child would otherwise live on as an orphan.
@@ -89,7 +86,6 @@ class HangWatchdog(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """The launcher is failing: stop the ranks it started, or a hung one would be left orphaned."""
-        global _recorded
         if not isinstance(exception, SIGTERMException):
             # A failing rank may leave a collective pending: destroying the group would wait for the other ranks (up
             # to the timeout) instead of exiting. A signal's stop is orderly: every rank stopped at the same point.
@@ -97,12 +93,13 @@ class HangWatchdog(Callback):
         children = launched_children(trainer)
         timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
         if not children:
-            if trainer.world_size > 1 and _launcher is None and not timed_out and lost_peer(exception):
+            if trainer.world_size > 1 and self._launcher_wait is None and not timed_out and lost_peer(exception):
                 # Started apart (torchrun, SLURM): another rank died, which the launcher names. Said now, before the
                 # launcher's SIGTERM to the ranks left ends this one with a line of its own.
-                DeadRank(None, None, None, _newest_checkpoint(trainer)).report_and_exit(exception)
+                _report_and_exit(DeadRank(None, None, None, _newest_checkpoint(trainer)), exception)
             return
-        _FAILING.set()
+        if self._failing is not None:
+            self._failing.set()
         if not timed_out:
             # A rank that raised is already on its way out (printing its traceback): let it finish.
             deadline = time.monotonic() + self.grace
@@ -110,17 +107,17 @@ class HangWatchdog(Callback):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             # The rank that died on its own (not killed below) is why this process failed: the job reports it.
-            _recorded = _recorded or _first_dead(trainer, children)
+            self._dead = self._dead or _first_dead(trainer, children)
         alive = [proc for proc in children if proc.poll() is None]
         if not alive:
             return
-        reason = (
-            f"a collective waited more than watchdog.timeout={self.timeout:g} s: another rank is hung or too slow"
-            if timed_out
-            else f"this process failed ({type(exception).__name__})"
-        )
-        pids = ", ".join(str(proc.pid) for proc in alive)
-        if _recorded is None:
+        if self._dead is None:
+            reason = (
+                f"a collective waited more than watchdog.timeout={self.timeout:g} s: another rank is hung or too slow"
+                if timed_out
+                else f"this process failed ({type(exception).__name__})"
+            )
+            pids = ", ".join(str(proc.pid) for proc in alive)
             print(
                 f"[rank {trainer.global_rank}] {reason}; killing the job's other processes (PID {pids}). "
                 "If a rank legitimately works alone for longer, raise --watchdog.timeout.",
@@ -129,17 +126,46 @@ class HangWatchdog(Callback):
             )
         _kill(alive)
 
+    def dead_rank(self, err: BaseException) -> DeadRank | None:
+        """The rank whose death made this process fail with ``err``, if this process knows it: the launcher knows its
+        children's. A rank it started whose collective failed waits here for the launcher's word (rank 0 reports a
+        dead rank and kills this one; if rank 0 died, this rank's watching thread says so), then fails on its own."""
+        if self._dead is None and self._launcher_wait is not None and lost_peer(err):
+            time.sleep(self._launcher_wait)
+        return self._dead
+
     def _child_failed(self, trainer: Trainer) -> None:
         """Lightning's launcher saw a child exit non-zero (in its watching thread). This process fails at its next
         collective and reports the dead rank (``on_exception``); one that does not (busy, or NCCL waiting for the
         dead rank until the timeout) is ended here, with the same line."""
-        if _FAILING.wait(self.grace):
+        if self._failing is not None and self._failing.wait(self.grace):
             return
         children = launched_children(trainer) or []
         dead = _first_dead(trainer, children)
         if dead is not None:
             _kill([proc for proc in children if proc.poll() is None])
-            dead.report_and_exit()
+            _report_and_exit(dead)
+
+    def _watch_launcher(self, trainer: Trainer) -> None:
+        """In a rank Lightning's launcher (rank 0) started: when rank 0 dies without ending this rank (SIGKILL, a
+        segfault), say so in one line and end, even while this rank is busy or hung (a thread polls the parent)."""
+        if self._launcher_wait is not None:
+            return  # set up again (the test after fit): already watched
+        self._launcher_wait = self.grace + 10
+        parent, rank = os.getppid(), trainer.global_rank - trainer.local_rank
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.2)
+            _report_and_exit(DeadRank(rank, parent, None, _newest_checkpoint(trainer)))
+
+        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def dead_rank(err: BaseException, trainer: Trainer | None) -> DeadRank | None:
+    """The rank whose death made this process fail with ``err``, as ``trainer``'s hang watchdog knows it."""
+    watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)] if trainer is not None else []
+    return watchdogs[0].dead_rank(err) if watchdogs else None
 
 
 @dataclass(frozen=True)
@@ -161,7 +187,7 @@ class DeadRank:
         return 128 - self.returncode if self.returncode < 0 else self.returncode
 
     def line(self) -> str:
-        """One line: which rank died and how, and where the same command continues from."""
+        """Which rank died and how, and where the same command continues from."""
         who = f"rank {self.rank} (PID {self.pid})"
         if self.rank is None:
             what = (
@@ -182,33 +208,15 @@ class DeadRank:
             return f"{what}; no checkpoint was written yet: the same command starts from the beginning"
         return f"{what}; run the same command to continue from {self.checkpoint}"
 
-    def report_and_exit(self, exception: BaseException | None = None) -> None:
-        """Print the line and end this process now, from any thread (the main one may be blocked in a collective)."""
-        with _REPORTING:
-            if exception is not None and full_traceback():
-                traceback.print_exception(exception)
-            print(f"error: {self.line()}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(self.exit_code)
 
-
-_CAUSES = {
-    "SIGKILL": " (out of memory, or kill -9 by a user or the scheduler)",
-    "SIGSEGV": " (a crash in native code: a library, an extension or a driver)",
-    "SIGBUS": " (a crash in native code, or a file it had mapped was truncated)",
-    "SIGABRT": " (native code aborted)",
-}
-_REPORTING = threading.Lock()
-_FAILING = threading.Event()  # set when the launcher's run fails: it reports a dead child itself
-_recorded: DeadRank | None = None  # the child rank whose death the launcher found
-# What a collective raises on a surviving rank when a peer's connection closes (gloo), or NCCL when a peer is gone.
-_LOST_PEER = re.compile(
-    r"Connection (closed|reset) by peer|remote worker crash|Broken pipe|remote process exited|"
-    r"NCCL communicator was aborted",
-    re.IGNORECASE,
-)
-# Set in a rank that Lightning's launcher started: (the launcher's PID, seconds to wait for its death or for it).
-_launcher: tuple[int, float] | None = None
+def _report_and_exit(dead: DeadRank, exception: BaseException | None = None) -> None:
+    """Print ``dead``'s line and end this process now, from any thread (the main one may be blocked in a collective).
+    A process has one thread that reports: the launcher's child watcher, a child's launcher-watch or the main one."""
+    if exception is not None and full_traceback():
+        traceback.print_exception(exception)
+    print(f"error: {dead.line()}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(dead.exit_code)
 
 
 def _signal_name(signum: int) -> str:
@@ -243,51 +251,15 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             proc.wait(timeout=10)
 
 
-def _watch_launcher(trainer: Trainer, parent: int, wait: float) -> None:
-    """In a rank that Lightning's launcher (rank 0) started: when rank 0 dies without ending this rank (SIGKILL, a
-    segfault), say so in one line and end, even while this rank is busy or hung (a thread polls the parent)."""
-    global _launcher
-    if _launcher is not None:
-        return  # set up again in the same process (the test after fit): already watched
-    _launcher = (parent, wait)
-    rank = trainer.global_rank - trainer.local_rank
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        DeadRank(rank, parent, None, _newest_checkpoint(trainer)).report_and_exit()
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-
-
 def lost_peer(err: BaseException) -> bool:
     """Whether ``err`` is a collective's failure because another rank of the job is gone."""
     return any(isinstance(e, dist.DistNetworkError) or _LOST_PEER.search(str(e)) for e in chain(err))
 
 
-def dead_rank(err: BaseException) -> DeadRank | None:
-    """The rank whose death made this process fail with ``err``, if this process knows it; None otherwise.
-
-    The launcher knows its children's ends. A rank that the launcher started and whose collective failed waits here:
-    either rank 0 died (this rank's watching thread reports it and ends the process) or another rank did (rank 0
-    reports that one and kills this rank); only if neither happens in time does it go on to its own traceback.
-    """
-    if _recorded is not None:
-        return _recorded
-    if _launcher is not None and lost_peer(err):
-        time.sleep(_launcher[1])
-    return None
-
-
 def end_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, while it is still whole.
-
-    Lightning does this for NCCL only. A gloo group left to the interpreter's finalisation aborts the process now and
-    then (``terminate called without an active exception``, SIGABRT, about one exit in ten here with torch 2.13):
-    gloo's threads still hold the last collective's work when Python is torn down. A rank that aborts after a
-    finished run fails the job (torchrun's agent waits for it at its exit barrier; Lightning's launcher kills the
-    other ranks).
-    """
+    """Destroy the default process group when the interpreter exits, while it is still whole. Lightning does it for
+    NCCL only; a gloo group left to the interpreter's finalisation now and then aborts the process (``terminate called
+    without an active exception``), which fails a finished job."""
     atexit.unregister(_end_process_group)  # registered once, however many Trainers this process sets up
     atexit.register(_end_process_group)
 

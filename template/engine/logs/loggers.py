@@ -6,12 +6,12 @@ import contextlib
 import csv
 import io
 import os
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jsonargparse.typing import NonNegativeFloat
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
@@ -19,54 +19,40 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from template.engine import internals
-from template.engine.errors import ConfigError, DiskError, disk_errors
-from template.engine.logs.console import Mechanism
+from template.engine.errors import DiskError, disk_errors
+from template.engine.logs.console import Mechanism, Throttle
 from template.engine.store import atomic_write, undone_on_failure
 
-HPARAMS = "hparams.yaml"
 METRICS = "metrics.csv"
-# Lightning's CSV writer, built in a folder that holds files already.
-_LOGS_DELETED = r"Experiment logs directory .* exists and is not empty"
 
 
 class _TimedSave:
-    """Writes the logger's files at most every ``save_interval`` seconds, and always at the end of the run.
+    """Writes the logger's files at most every ``save_interval`` seconds (0: at every logging step, as Lightning
+    does), and always at the end of the run.
 
     Lightning calls ``logger.save()`` after every logging step (Lightning-AI/pytorch-lightning#4664, closed as
-    won't fix): a rewrite of metrics.csv's tail and a TensorBoard flush each time, which costs more than a small
-    model's training step. Values are never dropped: they wait in memory until the next save or ``finalize``,
-    which Lightning calls when a run ends, fails or is interrupted. A killed process loses at most the last
-    ``save_interval`` seconds of values.
+    won't fix), which costs more than a small model's training step. Values wait in memory until the next save or
+    ``finalize``, which Lightning calls when a run ends, fails or is interrupted: a killed process loses at most the
+    last ``save_interval`` seconds. A save that fails leaves the files as they were and is one line.
     """
 
-    _last_save: float = float("-inf")
-
-    def __init__(self, *args: Any, save_interval: float = 5.0, **kwargs: Any) -> None:
-        if not save_interval >= 0:  # also refuses NaN
-            raise ConfigError(
-                f"trainer.logger save_interval={save_interval} is not a number of seconds >= 0; use e.g. 5 (0 "
-                "writes at every logging step, as Lightning's own loggers do)"
-            )
-        self.save_interval = save_interval
+    def __init__(self, *args: Any, save_interval: NonNegativeFloat = 5.0, **kwargs: Any) -> None:
+        self._saves = Throttle(save_interval)
         super().__init__(*args, **kwargs)
 
     def save(self) -> None:
-        now = time.monotonic()
-        if now - self._last_save < self.save_interval:
-            return
-        self._last_save = now
-        self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
+        if self._saves.ready():
+            self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
 
     def save_now(self) -> None:
-        """Write what is buffered now, and again at the next save: a checkpoint is about to be written
-        (``LogsBeforeCheckpoints``), and a checkpoint at a batch's end comes before Lightning logs that step's values
-        (and calls ``save()``)."""
-        self._last_save = float("-inf")
+        """Write what is buffered now, and again at the next save: a checkpoint at a batch's end comes before
+        Lightning logs that step's values (and calls ``save()``)."""
+        self._saves.reset()
         self.save()
-        self._last_save = float("-inf")
+        self._saves.reset()
 
     def finalize(self, status: str) -> None:
-        self._last_save = float("-inf")  # the end of a run always reaches the disk
+        self._saves.reset()
         try:
             self._write(lambda: super(_TimedSave, self).finalize(status))  # type: ignore[misc]
         except DiskError:
@@ -74,12 +60,16 @@ class _TimedSave:
                 raise
             # The run has failed already (often on the same disk): its own error is the one line to report.
 
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        # Lightning writes hparams.yaml in place when a run starts: a full disk must leave no 0-byte file.
+        if rank_zero_only.rank == 0:
+            self._write(lambda: super(_TimedSave, self).log_hyperparams(*args, **kwargs))  # type: ignore[misc]
+
     def _files(self) -> list[tuple[Path, bool]]:
         """The files a save rewrites in place, and whether each must be copied to be restored (not only cut)."""
-        return [(Path(self.log_dir) / HPARAMS, True)]  # type: ignore[attr-defined]
+        return [(Path(self.log_dir) / "hparams.yaml", True)]  # type: ignore[attr-defined]
 
     def _write(self, save: Callable[[], Any]) -> None:
-        """``save()``, leaving each of ``_files()`` as it was if it fails, and a failure of the disk as one line."""
         with self._disk_errors("the logs up to the last save are kept"), contextlib.ExitStack() as undo:
             for path, copy in self._files():
                 undo.enter_context(undone_on_failure(path, copy=copy))
@@ -88,19 +78,12 @@ class _TimedSave:
     def _disk_errors(self, kept: str) -> contextlib.AbstractContextManager[None]:
         return disk_errors(getattr(self, "log_dir", None) or "the logs", kept)
 
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        # Lightning writes hparams.yaml in place when a run starts: a full disk must leave no 0-byte file.
-        if rank_zero_only.rank != 0:
-            return
-        self._write(lambda: super(_TimedSave, self).log_hyperparams(*args, **kwargs))  # type: ignore[misc]
-
 
 class LogsBeforeCheckpoints(Callback):
     """Writes the loggers' buffered values before each checkpoint is written.
 
-    A run killed later (SIGKILL, the OOM killer) resumes from its newest checkpoint: every step before it must be on
-    disk already, which the timed saves alone do not promise. Steps logged after it are logged again on resume, and
-    the loggers drop the earlier copies (``resume``).
+    A run killed later resumes from its newest checkpoint: every step before it must be on disk already. Steps
+    logged after it are logged again on resume, and the loggers drop the earlier copies (``resume``).
     """
 
     @override
@@ -128,19 +111,17 @@ class CSVLogger(_TimedSave, _CSVLogger):
     def __init__(self, *args: Any, resume: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._resume = resume
-        self._rows_kept = False
 
     @property
     def experiment(self) -> Any:
-        if self._rows_kept or not self._resume or rank_zero_only.rank != 0:
+        if internals.built_experiment(self) is not None or not self._resume or rank_zero_only.rank != 0:
             with self._disk_errors("nothing was written"):
                 return super().experiment
-        self._rows_kept = True  # the first call creates Lightning's writer; later calls only return it
         path = Path(self.log_dir) / METRICS
-        rows = _read_rows(path)  # Lightning's writer deletes an existing metrics.csv when it starts
+        rows = _kept_rows(path)  # Lightning's writer deletes an existing metrics.csv when it starts
         with self._disk_errors("nothing was written"), warnings.catch_warnings():
             # Its warning that the folder's earlier logs "will be deleted" is not true here: the rows are put back.
-            warnings.filterwarnings("ignore", message=_LOGS_DELETED, category=UserWarning)
+            warnings.filterwarnings("ignore", "Experiment logs directory .* exists and is not empty", UserWarning)
             writer = super().experiment
         if rows:
             writer.metrics = rows
@@ -165,8 +146,10 @@ class CSVLogger(_TimedSave, _CSVLogger):
 class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
     """Lightning's TensorBoardLogger, flushing its event file at most every ``save_interval`` seconds.
 
-    With ``resume=True`` its first logged step tells TensorBoard to hide the interrupted run's events from that step
-    on (what ``SummaryWriter(purge_step=...)`` writes), and no second ``hp_metric`` is logged at step 0.
+    With ``resume=True`` its first logged step tells TensorBoard to hide the interrupted run's events from the
+    checkpoint's step (``resume_step``) on, as ``SummaryWriter(purge_step=...)`` would, and no second ``hp_metric``
+    is logged at step 0. A run resumed after its epoch's last step logs the epoch's values one step earlier than
+    the checkpoint's step, which must not hide that step's own.
     """
 
     announcement = CSVLogger.announcement
@@ -175,19 +158,15 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
         if resume:
             kwargs["default_hp_metric"] = False
         super().__init__(*args, **kwargs)
-        self._resume = resume
-        # The checkpoint's step: events from it on come after the checkpoint. A run resumed after its last step logs
-        # the epoch's values one step earlier, which must not hide that step's own.
-        self._resume_step = resume_step
+        self._resume, self._resume_step = resume, resume_step
 
     @property
     def experiment(self) -> Any:
         if internals.built_experiment(self) is not None or rank_zero_only.rank != 0:
             return super().experiment
-        # SummaryWriter creates the folder and its event file when it is built: a failure there is one line too,
-        # and an event file it created and could not write is removed.
+        # SummaryWriter creates its event file when it is built: one it could not write is removed.
         folder = Path(self.log_dir)
-        before = set(folder.glob("events.out.tfevents.*")) if folder.is_dir() else set()
+        before = set(folder.glob("events.out.tfevents.*"))
         try:
             with self._disk_errors("nothing was written"):
                 return super().experiment
@@ -202,8 +181,7 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
             self._resume = False
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-            writer = self.experiment.file_writer  # SummaryWriter opens its event file when it is built
-            purge = step if self._resume_step is None else self._resume_step
+            purge, writer = step if self._resume_step is None else self._resume_step, self.experiment.file_writer
             writer.add_event(Event(step=purge, file_version="brain.Event:2"))
             writer.add_event(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
         super().log_metrics(metrics, step)
@@ -213,17 +191,16 @@ class DamagedMetrics(ValueError):
     """A metrics.csv that does not parse as the rows a CSVLogger writes."""
 
 
-def read_metrics(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics.csv as written, or DamagedMetrics: not text, no ``step`` column, a row with more or
-    fewer cells than the header (cut by a crash), or a step that is not a number."""
+def _rows(path: Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv, or DamagedMetrics: not text, no ``step`` column, a row with more or fewer cells
+    than the header (cut by a crash), or a step that is not a number."""
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             rows = list(reader)
-            header = reader.fieldnames or []
     except (UnicodeDecodeError, csv.Error) as err:
         raise DamagedMetrics(f"not a CSV file ({err})") from None
-    if rows and "step" not in header:
+    if rows and "step" not in (header := reader.fieldnames or []):
         raise DamagedMetrics(f"no 'step' column in its header {header[:5]}")
     for number, row in enumerate(rows, start=2):
         if None in row or None in row.values():
@@ -235,53 +212,36 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def set_aside(path: Path) -> Path:
-    """Rename a damaged ``<name>.csv`` to the first free ``<name>.damaged-<n>.csv`` beside it; returns the new name."""
-    n = 1
-    while (aside := path.with_name(f"{path.stem}.damaged-{n}{path.suffix}")).exists():
-        n += 1
-    os.rename(path, aside)  # never onto an existing file: n is free (a race with another writer is not expected)
-    return aside
-
-
-def _read_rows(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics.csv, each without its empty cells; [] when there is none or it is damaged (then it is
-    renamed aside, and the run's logs start afresh)."""
+def _kept_rows(path: Path) -> list[dict[str, str]]:
+    """The interrupted run's rows, each without its empty cells; [] when there is no metrics.csv, or a damaged one,
+    which is renamed to the first free ``metrics.damaged-<n>.csv`` beside it (the run's logs start afresh)."""
     if not path.is_file():
         return []
     try:
-        rows = read_metrics(path)
+        rows = _rows(path)
     except DamagedMetrics as err:
+        n = 1
+        while (aside := path.with_name(f"{path.stem}.damaged-{n}{path.suffix}")).exists():
+            n += 1
         with disk_errors(path, kept="nothing was changed"):
-            aside = set_aside(path)
+            os.rename(path, aside)
         rank_zero_info(f"{path} is damaged ({err}): kept aside as {aside.name}; this run's logs start afresh")
         return []
     return [{k: v for k, v in row.items() if v not in ("", None)} for row in rows]
 
 
 def _drop_rows_from(path: Path, step: int, keys: set[str]) -> None:
-    """Rewrite ``path`` (atomically) without its rows after ``step``, nor those of ``step`` holding any of ``keys``.
-
-    ``step`` and ``keys`` are what the resumed run logs first. At that step, only the values it logs again go: a run
-    resumed after its epoch's last step logs the epoch's values at that step, not the step's own.
-    """
-    if not path.is_file():
-        return
+    """Rewrite ``path`` (atomically) without its rows after ``step``, nor those of ``step`` holding any of ``keys``:
+    the step and the values the resumed run logs first (after its epoch's last step, the epoch's values only)."""
     try:
-        rows = read_metrics(path)
+        rows = _rows(path) if path.is_file() else []
     except DamagedMetrics:
         return  # read when the run resumed; a file changed since is not this run's to rewrite
-    kept = [
-        row
-        for row in rows
-        if float(row["step"]) < step or (float(row["step"]) == step and not any(row.get(k) for k in keys))
-    ]
+    kept = [r for r in rows if (s := float(r["step"])) < step or (s == step and not any(r.get(k) for k in keys))]
     if len(kept) == len(rows):
         return
-    header = list(rows[0])  # read_metrics checked that every row has exactly the header's cells
-
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=header)
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]))  # every row has exactly the header's cells
     writer.writeheader()
     writer.writerows(kept)
     atomic_write(path, lambda f: f.write(text.getvalue().encode()))
@@ -291,11 +251,10 @@ def default_loggers(
     root: str | None, name: str, version: str | None = None, resume: bool = False, resume_step: int | None = None
 ) -> list:
     """CSV and TensorBoard logs side by side in ``<root>/<name>/<version>`` (a run's name, else the next
-    ``version_N``); ``resume`` continues its logs, from the checkpoint's ``resume_step`` when known."""
+    ``version_N``); ``resume`` continues its logs, from the checkpoint's ``resume_step`` when known. CSV first: its
+    folder is the one Lightning uses for config.yaml and checkpoints."""
     root = root or "."
     csv_logger = CSVLogger(save_dir=root, name=name, version=version, resume=resume)
-    # CSV first: it is the logger whose folder Lightning uses for config.yaml and checkpoints.
-    tensorboard = TensorBoardLogger(
-        save_dir=root, name=name, version=csv_logger.version, resume=resume, resume_step=resume_step
-    )
+    version = csv_logger.version
+    tensorboard = TensorBoardLogger(save_dir=root, name=name, version=version, resume=resume, resume_step=resume_step)
     return [csv_logger, tensorboard]

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -35,33 +35,30 @@ class ThroughputLog(Callback):
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._available_flops: int | None = None
-        self._epochs: list[dict[str, float]] = []  # the figures as logged: reduced over processes, float32
+        self._epochs: list[dict[str, float]] = []  # each epoch's figures as logged: reduced over processes, float32
         self._logged: list[str] = []  # the names logged at the last epoch's end, not yet read back
-        self._reset()
-
-    def _reset(self) -> None:
-        self._start = self._validation_start = None
-        self._paused = 0.0
+        self._start: float | None = None  # this epoch's, and its samples, batches and seconds of validation
         self._samples = self._batches = 0
+        self._paused = 0.0
+        self._validating: float | None = None  # since when
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not self.enabled or stage != "fit":
-            return
-        precision = str(trainer.precision)
-        dtype = next((d for p, d in _COMPUTE_DTYPE.items() if precision.startswith(p)), torch.float32)
-        self._available_flops = get_available_flops(trainer.strategy.root_device, dtype)
+        if self.enabled and stage == "fit":
+            precision = str(trainer.precision)
+            dtype = next((d for p, d in _COMPUTE_DTYPE.items() if precision.startswith(p)), torch.float32)
+            self._available_flops = get_available_flops(trainer.strategy.root_device, dtype)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.enabled:
             return
         self._read_back(trainer)
-        self._reset()
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
+        if (device := trainer.strategy.root_device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._start = self._now(trainer)
+        self._samples = self._batches = 0
+        self._paused = 0.0
+        self._start = _now(trainer)
 
     @override
     def on_train_batch_end(
@@ -77,51 +74,43 @@ class ThroughputLog(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.enabled and self._start is not None and not trainer.sanity_checking:
-            self._validation_start = self._now(trainer)
+            self._validating = _now(trainer)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._validation_start is not None:
-            self._paused += self._now(trainer) - self._validation_start
-            self._validation_start = None
+        if self._validating is not None:
+            self._paused += _now(trainer) - self._validating
+            self._validating = None
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.enabled or self._start is None or self._batches == 0:
             return
-        elapsed = self._now(trainer) - self._start - self._paused
+        elapsed = _now(trainer) - self._start - self._paused
         if elapsed <= 0:
             return
-        flops = getattr(pl_module, "flops_per_batch", None)
-        # Lightning's Throughput over a window of two points: the epoch's start and its end.
-        throughput = Throughput(available_flops=self._available_flops, world_size=trainer.world_size, window_size=2)
-        throughput.update(time=0.0, batches=0, samples=0, flops=None if flops is None else 0)
-        throughput.update(
-            time=elapsed,
-            batches=self._batches,
-            samples=self._samples,
-            flops=None if flops is None else int(flops * self._batches),
-        )
-        computed = throughput.compute()
-        # One process: Throughput gives only the device's figures, which are then the whole run's.
-        metrics = {"samples_per_sec": computed.get("samples_per_sec", computed["device/samples_per_sec"])}
-        if flops is not None:
-            metrics["flops_per_sec"] = computed.get("flops_per_sec", computed["device/flops_per_sec"])
-            if "device/mfu" in computed:
-                metrics["mfu"] = computed["device/mfu"]
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
+        # Each process estimates the whole run's rate from its own: the log holds the mean over processes.
+        metrics = {"samples_per_sec": self._samples / elapsed * trainer.world_size}
+        if (flops := getattr(pl_module, "flops_per_batch", None)) is not None:
+            per_device = flops * self._batches / elapsed
+            metrics["flops_per_sec"] = per_device * trainer.world_size
+            if self._available_flops:
+                metrics["mfu"] = per_device / self._available_flops
+        if (device := trainer.strategy.root_device).type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         self._logged = list(metrics)
         for name, value in metrics.items():
-            # Each process estimates the whole run's rate from its own time: the log holds the mean over processes
-            # (one all-reduce per epoch), and the largest peak memory.
-            reduce = "max" if name == "peak_memory_gib" else "mean"
+            reduce = "max" if name == "peak_memory_gib" else "mean"  # one all-reduce per epoch
             pl_module.log(PREFIX + name, float(value), on_epoch=True, on_step=False, sync_dist=True, reduce_fx=reduce)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._read_back(trainer)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._epochs:
+            rank_zero_info(summary(self._epochs))
 
     def _read_back(self, trainer: Trainer) -> None:
         """The last epoch's figures as Lightning reduced and logged them after ``on_train_epoch_end``: the printed
@@ -131,17 +120,11 @@ class ThroughputLog(Callback):
             self._epochs.append({name: float(value) for name, value in logged.items()})
         self._logged = []
 
-    @override
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._epochs:
-            rank_zero_info(summary(self._epochs))
 
-    @staticmethod
-    def _now(trainer: Trainer) -> float:
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the GPU's queued work belongs to the time measured
-        return time.perf_counter()
+def _now(trainer: Trainer) -> float:
+    if (device := trainer.strategy.root_device).type == "cuda":
+        torch.cuda.synchronize(device)  # the GPU's queued work belongs to the time measured
+    return time.perf_counter()
 
 
 def summary(epochs: list[dict[str, float]]) -> str:
