@@ -46,6 +46,8 @@ class Lock:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    __del__ = release  # unreachable, it could never be released
+
 
 def try_lock(path: str | os.PathLike) -> Lock | None:
     """Lock ``path`` (a folder, or a file, created if missing) for this process; None while another process has it."""

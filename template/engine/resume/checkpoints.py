@@ -24,7 +24,8 @@ from typing_extensions import override
 from template.engine.errors import ConfigError, disk_errors, one_line
 from template.engine.internals import SHARDED_METADATA, save_last_where_skipped
 from template.engine.logs.console import Mechanism
-from template.engine.runs.folder import checkpoint_dir, is_sharded
+from template.engine.runs import is_sharded
+from template.engine.runs.folder import checkpoint_dir
 from template.engine.store import atomic_torch_save
 from template.engine.strategies.fsdp import is_fsdp
 
@@ -119,12 +120,6 @@ def is_state_dict(checkpoint: Any) -> bool:
         and bool(checkpoint)
         and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
     )
-
-
-def describe(path: str | os.PathLike) -> str:
-    """``epoch E, step S`` of a checkpoint (validated first), read without loading its tensors."""
-    checkpoint = check(path)
-    return f"epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')}"
 
 
 def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:

@@ -24,10 +24,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from template.engine.errors import one_line
+from template.engine.runs import PROVENANCE, settled
 from template.engine.store import atomic_write
 from template.engine.strategies.devices import process_devices
 
-FILENAME = "provenance.json"
 # The distributions whose versions decide what a run computes; others installed are not listed.
 PACKAGES = ("torch", "lightning", "torchmetrics", "torchdata", "jsonargparse", "numpy", "mlflow-skinny", "wandb")
 _GIT_TIMEOUT = 10  # seconds; git answers in milliseconds unless the repository is on a hung network filesystem
@@ -151,13 +151,8 @@ class Provenance(Callback):
         log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
         if not trainer.is_global_zero or log_dir is None:
             return
-        self._path = Path(log_dir) / FILENAME
+        self._path = Path(log_dir) / PROVENANCE
         entries = self._read()
-        for entry in entries:
-            if entry.get("status") == "running":
-                # The run's folder is locked for one process at a time: an earlier start that wrote no end was
-                # killed (SIGKILL, the OOM killer, a lost node).
-                entry["status"] = "killed"
         git = git_state(Path(__file__).resolve().parent)
         diff = git.pop("diff", "")
         if git.get("commit") and diff:
@@ -190,7 +185,7 @@ class Provenance(Callback):
             "hosts": sorted({p["host"] for p in processes}),
             "devices": [device for p in processes for device in p["devices"]],
         }
-        self._write(entries + [self._entry])
+        self._write(settled([*entries, self._entry]))  # an earlier start that wrote no end was killed
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -12,7 +12,6 @@ import io
 import json
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -23,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from template.engine.runs import LOGS
+from template.engine.runs import CHECKPOINTS, CONFIG, INTERRUPTED, LOGS, METRICS, PROVENANCE, configs, settled
 
 # Files any run folder holds; a folder with one of them is a run.
-_RUN_FILES = ("provenance.json", "config.yaml", "metrics.csv")
+_RUN_FILES = (PROVENANCE, CONFIG, METRICS)
 # Keys that differ between runs without saying anything about how they differ.
 _IGNORED_KEYS = {"ckpt_path", "run.name"}
 SAMPLES_PER_SEC = "throughput/samples_per_sec"
@@ -66,7 +65,7 @@ def find_runs(root: Path) -> list[Path]:
         root = root / LOGS
     found = []
     for directory, subdirectories, files in os.walk(root):
-        subdirectories[:] = sorted(d for d in subdirectories if d != "checkpoints" and not d.startswith("."))
+        subdirectories[:] = sorted(d for d in subdirectories if d != CHECKPOINTS and not d.startswith("."))
         if any(name in files for name in _RUN_FILES):
             found.append(Path(directory))
     return sorted(found)
@@ -78,7 +77,7 @@ def read_run(folder: Path, root: Path) -> RunRow:
     row = RunRow(name=name)
     starts = _read_starts(folder)
     config = _read_config(folder)
-    metrics = _read_metrics(folder / "metrics.csv")
+    metrics = _read_metrics(folder / METRICS)
     row.config = _flatten(config)
     row.status = _status(starts, folder)
     monitor = row.config.get("checkpoint.monitor")
@@ -106,16 +105,15 @@ def read_run(folder: Path, root: Path) -> RunRow:
 
 def _read_starts(folder: Path) -> list[dict[str, Any]]:
     try:
-        starts = json.loads((folder / "provenance.json").read_text())["starts"]
+        starts = json.loads((folder / PROVENANCE).read_text())["starts"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return [s for s in starts if isinstance(s, dict)]
+    return settled([s for s in starts if isinstance(s, dict)])
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    # A restart with a changed config writes config.restart-<n>.yaml beside the first: the newest is what ran last.
-    restarts = sorted(folder.glob("config.restart-*.yaml"), key=lambda p: _restart_number(p.name))
-    for path in [*reversed(restarts), folder / "config.yaml"]:
+    # A restart with a changed config saves it beside the first: the newest is what ran last.
+    for path in reversed(configs(folder)):
         try:
             loaded = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
@@ -123,13 +121,6 @@ def _read_config(folder: Path) -> dict[str, Any]:
         if isinstance(loaded, dict):
             return loaded
     return {}
-
-
-def _restart_number(name: str) -> int:
-    try:
-        return int(name.removeprefix("config.restart-").removesuffix(".yaml"))
-    except ValueError:
-        return 0
 
 
 def _read_metrics(path: Path) -> list[dict[str, str]]:
@@ -169,29 +160,14 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 def _status(starts: list[dict[str, Any]], folder: Path) -> str:
     if not starts:
-        return "interrupted" if (folder / "checkpoints" / "interrupted.ckpt").exists() else "-"
+        return "interrupted" if (folder / CHECKPOINTS / INTERRUPTED).exists() else "-"
     last = starts[-1]
     status = str(last.get("status", "-"))
     if status == "interrupted":
         return f"interrupted ({last.get('signal', '?')})"
     if status == "failed":
         return f"failed ({last.get('error', '?')})"
-    if status == "running" and not _may_be_running(last):
-        # No end was written: the process was killed (SIGKILL, OOM killer, a lost node).
-        return "killed"
     return status
-
-
-def _may_be_running(start: dict[str, Any]) -> bool:
-    if start.get("hosts") != [socket.gethostname()] or not isinstance(start.get("pid"), int):
-        return True  # another machine's process: it cannot be checked from here
-    try:
-        os.kill(start["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _seconds(start: dict[str, Any]) -> float:
