@@ -417,3 +417,22 @@ def test_last_checkpoint_is_written_where_lightning_skipped_it(tmp_path: Path) -
     from lightning.pytorch.callbacks import ModelCheckpoint as Lightnings
 
     assert fit(Lightnings(dirpath=tmp_path / "lightnings", **kwargs))["global_step"] == 2  # what the subclass fixes
+
+
+# --- torch: the training DataLoader's resumable copy ----------------------------------------------------------------
+
+
+def test_a_dataloader_copy_shares_no_persistent_iterator() -> None:
+    """``DataLoader._iterator``: made on the first epoch with persistent workers and kept; a copy starts without."""
+    loader = DataLoader(torch.arange(8), batch_size=2, num_workers=1, persistent_workers=True)
+    assert not internals.has_iterator(loader)
+    first = [b.tolist() for b in loader]
+    assert internals.has_iterator(loader)
+
+    class Copy(DataLoader):
+        pass
+
+    copy = internals.dataloader_copy(loader, Copy)
+    assert type(copy) is Copy and copy.dataset is loader.dataset and copy.batch_size == 2
+    assert not internals.has_iterator(copy) and internals.has_iterator(loader)
+    assert [b.tolist() for b in copy] == first and internals.has_iterator(copy)
