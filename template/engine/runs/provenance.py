@@ -30,60 +30,41 @@ from template.engine.strategies.devices import process_devices
 
 # The distributions whose versions decide what a run computes; others installed are not listed.
 PACKAGES = ("torch", "lightning", "torchmetrics", "torchdata", "jsonargparse", "numpy", "mlflow-skinny", "wandb")
-_GIT_TIMEOUT = 10  # seconds; git answers in milliseconds unless the repository is on a hung network filesystem
+_GIT_TIMEOUT = 10  # seconds
 
 
 def git_state(directory: str | os.PathLike) -> dict[str, Any]:
-    """The commit checked out in ``directory``'s repository, whether tracked files differ from it, and the diff.
-
-    Outside a repository, or without git, ``commit`` is None and ``reason`` says why; this never raises.
+    """The commit checked out in ``directory``'s repository, whether tracked files differ from it, the diff and the
+    untracked files; outside a repository, or without git, ``commit`` is None and ``reason`` says why. Never raises.
     """
+    commands = [
+        ("rev-parse", "HEAD"),
+        ("diff", "HEAD", "--no-color", "--no-ext-diff"),
+        ("ls-files", "--others", "--exclude-standard", "--full-name"),
+    ]
+    processes: list[subprocess.Popen] = []
     try:
-        commit, diff, untracked = _git(
-            directory,
-            ("rev-parse", "HEAD"),
-            ("diff", "HEAD", "--no-color", "--no-ext-diff"),
-            ("ls-files", "--others", "--exclude-standard", "--full-name"),
-        )
+        # All at once: a start waits for the slowest, not for the sum.
+        for args in commands:
+            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL}
+            processes.append(subprocess.Popen(["git", "-C", str(directory), *args], text=True, **pipes))
+        # Milliseconds, unless the repository is on a hung network filesystem.
+        outputs = [process.communicate(timeout=_GIT_TIMEOUT) for process in processes]
     except FileNotFoundError:
         return {"commit": None, "reason": "git is not installed"}
     except (OSError, subprocess.SubprocessError) as err:
         return {"commit": None, "reason": one_line(str(err))[:300]}
-    untracked_files = untracked.split("\n")
-    return {"commit": commit.strip(), "dirty": bool(diff), "diff": diff, "untracked": [p for p in untracked_files if p]}
-
-
-def _git(directory: str | os.PathLike, *commands: tuple[str, ...]) -> list[str]:
-    """The output of each git command, all started at once: a run's start waits for the slowest, not for the sum.
-
-    The first that fails, in the order given, raises.
-    """
-    started: list[subprocess.Popen] = []
-    done: set[int] = set()
-    try:
-        for args in commands:
-            started.append(
-                subprocess.Popen(
-                    ["git", "-C", str(directory), *args],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                )
-            )
-        outputs = []
-        for args, process in zip(commands, started, strict=True):
-            stdout, stderr = process.communicate(timeout=_GIT_TIMEOUT)
-            done.add(id(process))
-            if process.returncode != 0:
-                raise subprocess.SubprocessError(stderr.strip() or f"git {args[0]} exited with {process.returncode}")
-            outputs.append(stdout)
-        return outputs
     finally:
-        for process in started:
-            if id(process) not in done:
+        for process in processes:
+            if process.poll() is None:
                 process.kill()
                 process.communicate()
+    for args, process, (_, stderr) in zip(commands, processes, outputs, strict=True):
+        if process.returncode != 0:
+            reason = stderr.strip() or f"git {args[0]} exited with {process.returncode}"
+            return {"commit": None, "reason": one_line(reason)[:300]}
+    (commit, _), (diff, _), (untracked, _) = outputs
+    return {"commit": commit.strip(), "dirty": bool(diff), "diff": diff, "untracked": untracked.splitlines()}
 
 
 def package_versions() -> dict[str, str]:
