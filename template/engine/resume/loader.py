@@ -229,10 +229,15 @@ def wrapped(loader: object) -> ResumableIndexSampler | None:
     return None
 
 
+def is_stateful(loader: object) -> bool:
+    """Whether a loader saves its own place in an epoch (torchdata's StatefulDataLoader), which Lightning restores."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
 def not_resumable_reason(loader: object) -> str | None:
     """Why a training loader cannot be put back at its place in an epoch; None where it can."""
-    if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
-        return None  # it saves its own place (torchdata's StatefulDataLoader); Lightning restores it
+    if is_stateful(loader):
+        return None
     if not isinstance(loader, DataLoader):
         return f"a {type(loader).__name__}, not a torch DataLoader"
     if isinstance(loader.dataset, IterableDataset):
@@ -246,8 +251,8 @@ def make_resumable(loader: object) -> object:
     """A copy of a map-style DataLoader whose index sampler can replay an epoch and skip into it; others unchanged."""
     if not isinstance(loader, DataLoader) or wrapped(loader) is not None or not_resumable_reason(loader) is not None:
         return loader
-    if callable(getattr(loader, "state_dict", None)):
-        return loader  # a stateful loader: Lightning saves and restores its place
+    if is_stateful(loader):
+        return loader
     batching = loader.batch_sampler is not None
     inner = loader.batch_sampler if batching else loader.sampler
     samplers = [inner, getattr(inner, "sampler", None), loader.sampler]

@@ -17,6 +17,7 @@ from template.engine import internals
 from template.engine.logs.console import Mechanism
 from template.engine.resume.loader import (
     global_states,
+    is_stateful,
     make_resumable,
     not_resumable_reason,
     restore_global_states,
@@ -167,7 +168,7 @@ class RNGStateCheckpoint(Callback):
         loaders = self._train_loaders()
         # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
         # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
-        stateful = bool(loaders) and all(_is_stateful(loader) for loader in loaders)
+        stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
         replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
         if (stateful or replayed) and self._restored is not None:
@@ -200,7 +201,7 @@ class RNGStateCheckpoint(Callback):
             # epoch; a new one draws from the restored states, as the uninterrupted run did.
             iter(internals.fit_data_fetcher(trainer))
         # A resumable copy without recorded states (a checkpoint written by an older version) cannot replay.
-        resumed = all(_is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
+        resumed = all(is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
@@ -226,10 +227,6 @@ def _set_epoch(loader: object, epoch: int) -> None:
     for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
-
-
-def _is_stateful(loader: DataLoader) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | None]:
