@@ -454,3 +454,22 @@ def test_fsdp_data_parallel_size_is_what_model_parallel_strategy_builds_its_mesh
     assert strategy._data_parallel_size == 4
     # setup_environment hands it to the device mesh ("auto" would become the number of nodes there).
     assert "_data_parallel_size" in ModelParallelStrategy.setup_environment.__code__.co_names
+
+
+# --- torch: the training DataLoader's resumable copy ----------------------------------------------------------------
+
+
+def test_a_dataloader_copy_shares_no_persistent_iterator() -> None:
+    """``DataLoader._iterator``: made on the first epoch with persistent workers and kept; a copy starts without."""
+    loader = DataLoader(torch.arange(8), batch_size=2, num_workers=1, persistent_workers=True)
+    assert not internals.has_iterator(loader)
+    first = [b.tolist() for b in loader]
+    assert internals.has_iterator(loader)
+
+    class Copy(DataLoader):
+        pass
+
+    copy = internals.dataloader_copy(loader, Copy)
+    assert type(copy) is Copy and copy.dataset is loader.dataset and copy.batch_size == 2
+    assert not internals.has_iterator(copy) and internals.has_iterator(loader)
+    assert [b.tolist() for b in copy] == first and internals.has_iterator(copy)

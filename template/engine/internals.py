@@ -371,3 +371,22 @@ def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:
     """
     _require(strategy, "_data_parallel_size", "lightning", "strategy fsdp (one shard per process)")
     strategy._data_parallel_size = size
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torch: the training DataLoader's resumable copy (exact resume, resume/loader.py)
+
+
+def has_iterator(loader: Any) -> bool:
+    """Whether a DataLoader has made its iterator: with persistent workers it keeps it (and its workers) in
+    ``_iterator`` and resets it each epoch instead of making a new one, which draws the workers' seed."""
+    return _require(loader, "_iterator", "torch", "exact resume (persistent workers)") is not None
+
+
+def dataloader_copy(loader: Any, cls: type) -> Any:
+    """A shallow copy of ``loader`` as an instance of ``cls`` (a subclass of its class), without its iterator: the
+    copy must not share the original's persistent workers."""
+    _require(loader, "_iterator", "torch", "exact resume (the training loader's copy)")
+    copy = cls.__new__(cls)
+    copy.__dict__.update(vars(loader), _iterator=None)
+    return copy

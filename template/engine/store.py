@@ -1,16 +1,22 @@
-"""Crash-safe file writes: a reader sees the old file or the new one, never a partial one."""
+"""Crash-safe files (a reader sees a file's old content or its new, never a part of it) and exclusive locks.
+
+A file is written beside its target, fsynced and renamed onto it. The temporary is unnamed (``O_TMPFILE``) where the
+filesystem has it, so that a kill leaks nothing; else it is named ``.<target>.<host>.<hex>.tmp`` and locked while
+written, so that the next write of the target removes one a killed writer left.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
-import re
 import secrets
 import shutil
 import socket
 import stat
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -19,8 +25,46 @@ import torch
 
 from template.engine.errors import disk_error
 
-# Temporary names carry host and PID so that a later write can tell a dead writer's leftover from a live one.
-_TMP_SUFFIX = ".tmp"
+
+class Lock:
+    """An exclusive lock on a file or folder, held by this process until ``release()`` or its end.
+
+    The kernel releases it when the process ends however it ends (SIGKILL, the OOM killer), so a killed holder never
+    leaves it behind. A forked child (a DataLoader worker) closes its copy at once: a killed run's workers, which live
+    on for seconds, do not hold it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        held = weakref.ref(self)
+        # Closing the child's descriptor leaves the parent's lock (an unlock would release it for both).
+        os.register_at_fork(after_in_child=lambda: (lock := held()) is not None and lock.release())
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    __del__ = release  # unreachable, it could never be released
+
+
+def try_lock(path: str | os.PathLike) -> Lock | None:
+    """Lock ``path`` (a folder, or a file, created if missing) for this process; None while another process has it."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY if path.is_dir() else os.O_RDONLY | os.O_CREAT, 0o644)
+    if _locked(fd):
+        return Lock(fd)
+    os.close(fd)
+    return None
+
+
+def _locked(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def atomic_torch_save(obj: object, path: str | os.PathLike) -> None:
@@ -29,51 +73,53 @@ def atomic_torch_save(obj: object, path: str | os.PathLike) -> None:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write`` on a file beside ``path`` (same filesystem), fsync it, ``os.replace`` it onto ``path``."""
+    """Call ``write`` on a temporary beside ``path``, fsync it and rename it onto ``path``, whose mode it keeps.
+
+    An OSError names ``path``, the file the user knows, never the temporary.
+    """
     path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
     try:
         remove_stale_temporaries(path)
-        mode = _target_mode(path)
         fd, tmp = _open_temporary(path)
     except OSError as err:
-        err.filename = str(path)  # not the temporary's name: the file the user knows
+        err.filename = str(path)
         raise
     try:
         with os.fdopen(fd, "wb") as f:
-            recorder = _WriteErrors(f)
+            with contextlib.suppress(FileNotFoundError):
+                os.fchmod(fd, stat.S_IMODE(path.stat().st_mode))  # an existing file keeps its mode
             try:
-                write(recorder)  # type: ignore[arg-type]
-            except Exception as err:
-                # torch.save's zip writer turns a failed write (ENOSPC...) into a RuntimeError about positions.
-                if recorder.error is not None and recorder.error is not err:
-                    raise recorder.error from err
+                write(f)
+            except RuntimeError as err:
+                # torch.save's zip writer turns a failed write (ENOSPC) into a RuntimeError about positions.
+                if isinstance(err.__context__, OSError):
+                    raise err.__context__ from err
                 raise
             f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
+            os.fsync(fd)
             if tmp is None:
-                # An O_TMPFILE file has no name until now: a kill can leak it only between this link and the rename.
+                # Unnamed until now: only a kill between this link and the rename leaves it behind.
                 tmp = _temporary_name(path)
-                _link_unnamed(f.fileno(), tmp)
-            os.replace(tmp, path)  # at once, before the file is closed: that window stays two system calls wide
+                directory = os.open(path.parent, os.O_RDONLY)
+                try:  # a src_dir_fd makes Python call linkat(), which follows the /proc link
+                    os.link(f"/proc/self/fd/{fd}", tmp, src_dir_fd=directory, follow_symlinks=True)
+                finally:
+                    os.close(directory)
+            os.replace(tmp, path)  # before the close, which releases the temporary's lock
     except BaseException as err:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) and (err.filename is None or err.filename == tmp):
-            err.filename = str(path)  # a failed write() names no file, a temporary no file the user knows
+        if isinstance(err, OSError) and err.filename in (None, tmp):
+            err.filename = str(path)
         raise
-    _fsync_directory(directory)
+    _fsync_directory(path.parent)
 
 
 def prove_writable(directory: str | os.PathLike, option: str) -> None:
-    """Create ``directory`` (and its parents) if missing, and prove that a file can be written in it.
-
-    The probe is an unnamed file (O_TMPFILE) where the OS has them, else a named one removed at once, even on
-    failure. Raises a one-line DiskError naming the path, the errno and ``option`` (what chose the folder).
-    """
+    """Create ``directory`` (and its parents) if missing and write a file there, removed at once; else a one-line
+    DiskError naming the path, the errno and ``option`` (what chose the folder)."""
     directory = Path(directory)
-    probe: str | None = None
+    probe = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = _open_temporary(directory / ".write-probe")
@@ -85,8 +131,7 @@ def prove_writable(directory: str | os.PathLike, option: str) -> None:
     except OSError as err:
         if err.errno == errno.EEXIST and not directory.is_dir():
             err = OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory))
-        error = disk_error(err, directory, "nothing was written there", option)
-        if error is None:
+        if (error := disk_error(err, directory, "nothing was written there", option)) is None:
             raise
         raise error from None
     finally:
@@ -96,12 +141,9 @@ def prove_writable(directory: str | os.PathLike, option: str) -> None:
 
 @contextlib.contextmanager
 def undone_on_failure(path: str | os.PathLike, copy: bool = True) -> Iterator[None]:
-    """If the block raises, ``path`` is left as it was: deleted if the block created it, cut back to its length if
-    the block appended to it, or (``copy``: its bytes are kept in memory meanwhile) rewritten with its old bytes.
-
-    For files a library writes in place (Lightning's hparams.yaml, metrics.csv, config.yaml): a full disk leaves
-    no 0-byte or half-written file behind.
-    """
+    """For a file a library writes in place (Lightning's config.yaml, hparams.yaml, metrics.csv): if the block
+    raises, ``path`` is as it was: removed if the block created it, else rewritten with its old bytes (kept in memory
+    with ``copy``) or cut back to its old length."""
     path = Path(path)
     try:
         size: int | None = path.stat().st_size
@@ -109,7 +151,7 @@ def undone_on_failure(path: str | os.PathLike, copy: bool = True) -> Iterator[No
     except FileNotFoundError:
         size, old = None, None
     except OSError:
-        yield  # cannot be read: nothing to restore it to
+        yield  # unreadable: nothing to restore it to
         return
     try:
         yield
@@ -124,101 +166,59 @@ def undone_on_failure(path: str | os.PathLike, copy: bool = True) -> Iterator[No
         raise
 
 
-class _WriteErrors:
-    """A file's ``write`` that remembers the OSError it raised, for callers that replace it with their own error."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._f, name)
+def temporaries(path: str | os.PathLike) -> list[Path]:
+    """The temporaries of writes of ``path`` beside it now."""
+    path = Path(path)
+    with contextlib.suppress(FileNotFoundError):
+        return [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.") and p.name.endswith(".tmp")]
+    return []
 
 
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
-    """Delete temporaries for ``path`` left by killed writers on this host; returns what was removed."""
-    path = Path(path)
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]+{re.escape(_TMP_SUFFIX)}$")
+    """Remove the temporaries of ``path`` that killed writers of this host left (unlocked); what was removed.
+
+    Another host's are left: its locks may not reach this one on a network filesystem.
+    """
     removed = []
-    for candidate in _siblings(path):
-        match = pattern.match(candidate.name)
-        if match and match["host"] == socket.gethostname() and not _pid_alive(int(match["pid"])):
-            with contextlib.suppress(FileNotFoundError):
-                candidate.unlink()
-                removed.append(candidate)
+    for candidate in temporaries(path):
+        if candidate.name.split(".")[-3] != socket.gethostname().replace(".", "_"):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(candidate, os.O_RDONLY)
+            try:
+                if _locked(fd):
+                    candidate.unlink()
+                    removed.append(candidate)
+            finally:
+                os.close(fd)
     return removed
 
 
-def temporaries(path: str | os.PathLike) -> list[Path]:
-    """Temporary files currently beside ``path`` that belong to writes of ``path``."""
-    path = Path(path)
-    return [p for p in _siblings(path) if p.name.startswith(f".{path.name}.") and p.name.endswith(_TMP_SUFFIX)]
-
-
-def _siblings(path: Path) -> Iterator[Path]:
-    try:
-        yield from (path.parent if str(path.parent) else Path(".")).iterdir()
-    except FileNotFoundError:
-        return
-
-
 def _temporary_name(path: Path) -> str:
-    return str(path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"))
+    host = socket.gethostname().replace(".", "_")
+    return str(path.with_name(f".{path.name}.{host}.{secrets.token_hex(4)}.tmp"))
 
 
 def _open_temporary(path: Path) -> tuple[int, str | None]:
-    """An unnamed file in the target's directory where the OS supports it (a kill cannot leak it), else a named one."""
-    directory = path.parent if str(path.parent) else Path(".")
+    """A locked temporary in ``path``'s folder, with the mode ``open()`` gives a new file: unnamed where the
+    filesystem can (its name None), else named."""
+    fd, name = None, None
     if hasattr(os, "O_TMPFILE") and Path("/proc/self/fd").is_dir():
-        try:
-            return os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600), None
-        except OSError:
-            pass  # filesystem without O_TMPFILE support (e.g. some network filesystems)
-    tmp = _temporary_name(path)
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
-
-
-def _link_unnamed(fd: int, name: str) -> None:
-    """Give an O_TMPFILE file a name; a ``src_dir_fd`` makes Python use linkat(), which follows the /proc link."""
-    directory = os.open(os.path.dirname(name) or ".", os.O_RDONLY)
-    try:
-        os.link(f"/proc/self/fd/{fd}", name, src_dir_fd=directory, follow_symlinks=True)
-    finally:
-        os.close(directory)
-
-
-def _target_mode(path: Path) -> int:
-    """The mode the file has now, or for a new file what ``open()`` would give it under the current umask."""
-    try:
-        return stat.S_IMODE(path.stat().st_mode)
-    except FileNotFoundError:
-        return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    # Reading the umask through os.umask() briefly changes it for every thread; /proc avoids that on Linux.
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+        with contextlib.suppress(OSError):  # a filesystem without O_TMPFILE (some network filesystems)
+            fd = os.open(path.parent, os.O_TMPFILE | os.O_WRONLY, 0o666)
+    if fd is None:
+        name = _temporary_name(path)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    _locked(fd)  # a new file: nobody else has it
+    return fd, name
 
 
 def replace_directory(new: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Put the folder ``new`` at ``path`` in one step, so that a kill at any moment leaves the previous folder (or
-    file) there or the new one; whatever ``path`` held is deleted afterwards.
+    """Put the folder ``new`` at ``path`` (a folder, a file or nothing), so that a kill at any moment leaves the
+    previous one there or the new one; the previous one is removed afterwards.
 
-    ``os.replace`` cannot put a folder onto a non-empty one. Linux's renameat2 swaps the two names atomically; where
-    the filesystem lacks it, two renames leave, for an instant, nothing at ``path`` (never a partial folder).
+    ``os.replace`` cannot put a folder onto a non-empty one: Linux's renameat2 swaps the two names in one step; where
+    the filesystem lacks it, two renames leave nothing at ``path`` for an instant (never a partial folder).
     """
     new, path = Path(new), Path(path)
     old = new.with_name(new.name + ".old")
@@ -234,11 +234,10 @@ def replace_directory(new: str | os.PathLike, path: str | os.PathLike) -> None:
 
 
 def _exchange(a: Path, b: Path) -> bool:
-    """Swap the names ``a`` and ``b`` atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    """Swap the names ``a`` and ``b`` in one step (renameat2 RENAME_EXCHANGE); False where unsupported."""
     rename_exchange, at_fdcwd = 2, -100
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.renameat2
+        call = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
     if call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
@@ -250,20 +249,10 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _fsync_directory(directory: Path) -> None:
-    """Persist the rename itself: without this, a power loss can bring back the old directory entry."""
-    with contextlib.suppress(OSError):  # some platforms/filesystems cannot open or fsync a directory
+    """Persist a rename: without this, a power loss can bring back the old directory entry."""
+    with contextlib.suppress(OSError):  # some filesystems cannot open or fsync a folder
         fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -15,7 +15,7 @@ import pytest
 from template.engine.errors import ConfigError
 from template.engine.logs.loggers import CSVLogger
 from template.engine.resume.continuation import continue_run
-from template.engine.runs.folder import claim, newest, release, run_name
+from template.engine.runs.folder import RunFolders, newest, run_name
 
 
 @pytest.mark.parametrize(
@@ -80,8 +80,9 @@ def test_a_killed_runs_forked_workers_do_not_keep_its_folder_locked(tmp_path: Pa
     script = (
         "import multiprocessing, os, signal, sys, time\n"
         "from pathlib import Path\n"
-        "from template.engine.runs.folder import claim\n"
-        "claim(sys.argv[1], 'r', '--run.name')\n"
+        "from template.engine.runs.folder import RunFolders\n"
+        "folders = RunFolders()\n"
+        "folders.claim(sys.argv[1], 'r', '--run.name')\n"
         "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))\n"
         "worker.start()\n"
         "Path(sys.argv[2]).write_text(str(worker.pid))\n"
@@ -95,18 +96,22 @@ def test_a_killed_runs_forked_workers_do_not_keep_its_folder_locked(tmp_path: Pa
     )  # fmt: skip
     assert killed.wait(timeout=120) == -signal.SIGKILL
     worker = int(pid_file.read_text())
+    folders = RunFolders()
     try:
         os.kill(worker, 0)  # the worker still runs
-        assert claim(folder, "r", "--run.name") is not None
+        folders.claim(folder, "r", "--run.name")  # a ConfigError if the folder were still locked
+        assert folders.lock is not None
     finally:
-        release()
+        folders.release()
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
 
 
-def test_a_negative_preemption_check_interval_is_one_line() -> None:
+def test_a_negative_preemption_check_interval_is_one_line(run_main) -> None:  # noqa: ANN001
     from jsonargparse import Namespace
 
-    with pytest.raises(ConfigError, match=r"^run.preemption_check_interval=-1.0 must be seconds >= 0 \(e.g. 1.0; 0:"):
-        continue_run(Namespace(run=Namespace(preemption_check_interval=-1.0)))
+    done = run_main("fit", "--run.preemption_check_interval=-1")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert "'run.preemption_check_interval'" in errors[0] and "-1" in errors[0] and "must be >= 0" in errors[0], errors[0]
     assert continue_run(Namespace(run=Namespace(preemption_check_interval=0.0))).preemption_check_interval == 0.0

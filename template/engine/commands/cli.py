@@ -48,15 +48,12 @@ from template.engine.logs.throughput import ThroughputLog
 from template.engine.resume import checkpoints
 from template.engine.resume.continuation import Run, continue_run
 from template.engine.resume.states import RNGStateCheckpoint
+from template.engine.runs import run_dir
 from template.engine.runs.folder import (
     RunConfigCallback,
+    RunFolders,
     RunOptions,
-    claim,
-    discard_unstarted,
     newest_under,
-    prepare_folder,
-    release,
-    run_dir,
     run_folder_arguments,
     run_name,
 )
@@ -174,6 +171,7 @@ class CLI(LightningCLI):
         argv = sys.argv[1:] if argv is None else argv
         first = argv[0] if isinstance(argv, (list, tuple)) and argv else None
         self._only_subcommand = first if first in LightningCLI.subcommands() else None
+        self.folders: RunFolders = kwargs.pop("folders", None) or RunFolders()  # what this command claims and creates
         super().__init__(*args, **kwargs)
 
     @override
@@ -345,7 +343,7 @@ class CLI(LightningCLI):
                 "(--ckpt_path FILE, or --ckpt_path last for the newest run's)",
                 file=sys.stderr,
             )
-        _claim_run_folder(self.trainer, config, subcommand)
+        _claim_run_folder(self.folders, self.trainer, config, subcommand)
         if subcommand == "fit":
             checkpoints.resuming_in_place(self.trainer, config.get("ckpt_path"))
         join_restarted_group(self.trainer)
@@ -402,23 +400,21 @@ def settle(config: Any, subcommand: str | None) -> None:
             rank_zero_info(line)
 
 
-def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
+def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
     """Create the run's folder (and a checkpoint folder of the user's), prove it writable and lock it for this process,
     before anything is written there."""
     dirpath = config.get("checkpoint.dirpath") if subcommand == "fit" else None
     if dirpath is not None and get_protocol(str(dirpath)) == "file":
         # The checkpoints' own folder, chosen by the user: a first checkpoint an epoch later must not be the one to
         # find it cannot be written. Remote stores (s3://...) are left to their own client.
-        prepare_folder(dirpath, "--checkpoint.dirpath")
+        folders.prepare(dirpath, "--checkpoint.dirpath")
     name = run_name(config.get("run.name")) if subcommand == "fit" else None
     if name is None and (not trainer.loggers or trainer.log_dir is None):
         # Without a name or a logger there is no run folder of its own, only the root that checkpoints go to.
         prove_writable(config.get("trainer.default_root_dir") or ".", "--trainer.default_root_dir")
         return
     directory = run_dir(config.get("trainer.default_root_dir"), name) if name else trainer.log_dir
-    folder = claim(directory, name, option="--trainer.default_root_dir")
-    if folder is not None:
-        folder.trainer = trainer
+    folders.claim(directory, name, "--trainer.default_root_dir", trainer)
 
 
 def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
@@ -507,10 +503,14 @@ class _NoAdvertisement(logging.Filter):
 
 
 def build_cli(
-    args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI, started: list[CLI] | None = None
+    args: list[str] | None = None,
+    run: bool = True,
+    cli_class: type[CLI] = CLI,
+    started: list[CLI] | None = None,
+    folders: RunFolders | None = None,
 ) -> CLI:
     """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path;
-    ``started`` gets the command line before it runs."""
+    ``started`` gets the command line before it runs, ``folders`` holds the run folder it claims."""
     rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoAdvertisement) for f in rank_zero_log.filters):
         rank_zero_log.addFilter(_NoAdvertisement())
@@ -529,6 +529,7 @@ def build_cli(
         args=args,
         run=run,
         started=started,
+        folders=folders,
     )
 
 
@@ -551,6 +552,7 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     handlers = signal_handlers()
     started: list[CLI] = []  # the command line, kept when its run raises: its trainer knows what ended the job
+    folders = RunFolders()
     try:
         command = COMMANDS.get(argv[0]) if argv else None
         if command is not None and command.runs is not None:
@@ -560,7 +562,7 @@ def main(args: list[str] | None = None) -> None:
             if code:
                 sys.exit(code)
             return
-        build_cli(args, started=started)
+        build_cli(args, started=started, folders=folders)
     except Exception as err:
         code, line = _verdict(err, getattr(started[0], "trainer", None) if started else None)
         if code is None:
@@ -569,13 +571,13 @@ def main(args: list[str] | None = None) -> None:
             raise
         if code in (2, 3):
             # A mistake or the disk: a folder this command created is removed again, unless training had started.
-            discard_unstarted()
+            folders.discard_unstarted()
         if full_traceback():
             traceback.print_exc()
         print(f"error: {line}", file=sys.stderr)
         sys.exit(code)
     finally:
-        release()
+        folders.release()
         if args is not None:
             # Called from Python, which goes on. Run as the program (argv), the process ends with the command: the
             # run's handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from template.engine.commands.cli import CLI, PROGRAM, build_cli
 from template.engine.errors import ConfigError, disk_errors, one_line
 from template.engine.resume import checkpoints
+from template.engine.runs import config_of
 from template.engine.store import atomic_torch_save
 
 # Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
@@ -117,7 +118,7 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         import onnxscript  # noqa: F401 - torch.onnx's exporter needs it
     except ImportError:
         raise ConfigError("--format onnx needs onnx, onnxscript and onnxruntime: pip install -e '.[onnx]'") from None
-    configs = configs or [str(Path(checkpoint_path).resolve().parent.parent / "config.yaml")]
+    configs = configs or [str(config_of(checkpoint_path))]
     if not Path(configs[0]).is_file():
         raise ConfigError(f"no config.yaml in the run folder of '{checkpoint_path}'; pass the run's --config")
     state = extract_state_dict(checkpoints.load(checkpoint_path), "", source=f"'{checkpoint_path}'")

@@ -22,9 +22,8 @@ from template.engine.internals import cluster_environment, stop_as_on_sigterm
 from template.engine.jobs.processes import requeue_slurm_job
 from template.engine.logs.console import Mechanism
 from template.engine.resume.states import exact_resume_point
+from template.engine.runs import INTERRUPTED
 from template.engine.runs.folder import checkpoint_dir
-
-INTERRUPTED = "interrupted.ckpt"
 
 
 class Preemption(Callback):

@@ -1,6 +1,7 @@
-"""Checkpoint files: validate one a user names, describe it, find the newest of a run, and load one.
+"""Checkpoint files: check and load one a user names, write them crash-safe and weights-only, and ``last.ckpt`` at
+every validation.
 
-Every path a user gives (``--ckpt_path``, ``export CKPT``, ``load_weights``) goes through :func:`check` first, so a
+Every path a user gives (``--ckpt_path``, ``export CKPT``, ``load_weights``) goes through :func:`check` first: a
 missing, truncated or foreign file is one ``error:`` line before anything reads it or writes beside it.
 """
 
@@ -24,7 +25,8 @@ from typing_extensions import override
 from template.engine.errors import ConfigError, disk_errors, one_line
 from template.engine.internals import SHARDED_METADATA, save_last_where_skipped
 from template.engine.logs.console import Mechanism
-from template.engine.runs.folder import checkpoint_dir, is_sharded
+from template.engine.runs import is_sharded
+from template.engine.runs.folder import checkpoint_dir
 from template.engine.store import atomic_torch_save
 from template.engine.strategies.fsdp import is_fsdp
 
@@ -37,12 +39,12 @@ _LIGHTNING_KEY = "pytorch-lightning_version"
 def check(
     path: str | os.PathLike, option: str = "--ckpt_path", lightning: bool = True, strategy: Any = None
 ) -> dict[str, Any]:
-    """The checkpoint at ``path``, its tensors memory-mapped; a ConfigError when it cannot be used.
+    """The checkpoint at ``path``, its tensors memory-mapped (a sharded one without its shards); a ConfigError when
+    it cannot be used.
 
     ``lightning``: the caller resumes or evaluates from it, so a bare ``state_dict`` (what ``export`` writes) is
-    refused with a line saying what the file is and how to use it. ``strategy``: the ``trainer.strategy`` that will
-    load it; a sharded checkpoint (a folder, strategy fsdp's) loads only under fsdp. For a sharded checkpoint, the
-    dict holds everything but the shards.
+    refused with a line saying how to use it. ``strategy``: the ``trainer.strategy`` that will load it; a sharded
+    checkpoint (a folder, strategy fsdp's) loads only under fsdp.
     """
     if is_sharded(path):
         return _check_sharded(Path(path), option, strategy)
@@ -121,12 +123,6 @@ def is_state_dict(checkpoint: Any) -> bool:
     )
 
 
-def describe(path: str | os.PathLike) -> str:
-    """``epoch E, step S`` of a checkpoint (validated first), read without loading its tensors."""
-    checkpoint = check(path)
-    return f"epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')}"
-
-
 def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """The whole checkpoint at ``path`` (any weights-only file: Lightning, exported or plain PyTorch)."""
     if is_sharded(path):
@@ -136,12 +132,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
 
 def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:
-    """A fit continuing from a checkpoint in the folder it writes its checkpoints to: that folder holds the run's own
-    checkpoints, as expected, and Lightning's warning that it "exists and is not empty" is left out.
-
-    The warning stays for every other folder: a new run writing where another left checkpoints (a reused
-    ``checkpoint.dirpath``) would overwrite its ``last.ckpt``.
-    """
+    """Leave out Lightning's warning that the checkpoint folder "exists and is not empty" when the fit continues
+    from a checkpoint in it: it holds the run's own. The warning stays for any other folder, where a new run would
+    overwrite another's ``last.ckpt``."""
     if ckpt_path is None or str(ckpt_path) in SPECIAL_PATHS:
         return
     folder = checkpoint_dir(trainer)
@@ -155,9 +148,13 @@ def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None
 
 class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ModelCheckpoint (the ``checkpoint:`` section), whose ``save_last=True`` writes ``last.ckpt`` at
-    every validation again, as before Lightning 2.6: there it is written only where a top-k checkpoint is, so a run
-    whose score stopped improving ended with an old ``last.ckpt``, and a restart went back to it. The same class name
-    keeps the callback's state key, so checkpoints written before load as they were."""
+    every validation, as before Lightning 2.6 (since, only where a top-k checkpoint is: a run whose score stopped
+    improving ended with an old ``last.ckpt``, and a restart went back to it). The class name keeps the state key.
+
+    A second, plain ModelCheckpoint cannot write it: with the same monitor and triggers Lightning refuses the two
+    (one state key), MLflow uploads the checkpoints of the last one to save, and one ModelCheckpoint cannot
+    save both at validations and every ``every_n_train_steps``.
+    """
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -178,12 +175,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
-        """Write ``checkpoint`` to a temporary file beside ``path``, fsync it, and rename it onto ``path``."""
         if storage_options is not None or get_protocol(str(path)) != "file":
             # Remote stores (s3://, gs://...) have their own atomic uploads; Lightning's path handles them.
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        # The temporary is gone and the previous file untouched (atomic_write): say so in one line.
         with disk_errors(path, kept="any previous checkpoint there is intact"):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(checkpoint, path)

@@ -1,4 +1,4 @@
-"""Which checkpoint a ``fit`` continues from: the run's newest, checked; and the periodic saves for restarts."""
+"""Which checkpoint a ``fit`` continues from: the run's newest, checked once; and the periodic saves for restarts."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from template.engine.errors import ConfigError
 from template.engine.logs.console import Mechanism
 from template.engine.resume import checkpoints
 from template.engine.resume.states import exact_resume_point
-from template.engine.runs.folder import checkpoint_dir, newest, run_dir, run_name
+from template.engine.runs import CHECKPOINTS, LAST_STEP, run_dir
+from template.engine.runs.folder import checkpoint_dir, newest, run_name
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Run:
     preemption: bool = True
     preemption_check_interval: float = 1.0
     resume_step: int | None = None  # the global step of the checkpoint the run continues from
+    resume_epoch: int | None = None
 
     def describe(self) -> str | None:
         """The line saying which run this is and where it starts; None for an unnamed run."""
@@ -35,51 +36,52 @@ class Run:
             return None
         if self.ckpt_path is None:
             return f"Run {self.name} ({self.directory}): no checkpoint yet, starting from the beginning"
-        where = checkpoints.describe(self.ckpt_path)
+        where = f"epoch {_or_unknown(self.resume_epoch)}, step {_or_unknown(self.resume_step)}"
         return f"Run {self.name} ({self.directory}): resuming from {self.ckpt_path} ({where})"
 
 
 def continue_run(config: Any) -> Run:
-    """The run of a ``fit`` config and, when no ``ckpt_path`` is given, its newest checkpoint (validated)."""
+    """The run of a ``fit`` config and, when no ``ckpt_path`` is given, its newest checkpoint; the checkpoint is
+    checked (``checkpoints.check``), once: the Run keeps what the rest of the start needs of it."""
     name = run_name(config.get("run.name"))
     ckpt_path = config.get("ckpt_path")
-    every = config.get("run.save_every_n_steps")
-    preemption = config.get("run.preemption") is not False
-    if every is not None and every < 1:
-        raise ConfigError(f"run.save_every_n_steps={every} must be a number of steps >= 1, or null for none")
-    interval = config.get("run.preemption_check_interval", 1.0)
-    if interval < 0:
-        raise ConfigError(f"run.preemption_check_interval={interval} must be seconds >= 0 (e.g. 1.0; 0: every step)")
-    preemption = {"preemption": preemption, "preemption_check_interval": interval}
+    options = {
+        "save_every_n_steps": config.get("run.save_every_n_steps"),
+        "preemption": config.get("run.preemption") is not False,
+        "preemption_check_interval": config.get("run.preemption_check_interval", 1.0),
+    }
     if name is None:
-        return Run(None, None, ckpt_path, resume=False, save_every_n_steps=every, **preemption)
+        return Run(None, None, ckpt_path, resume=False, **options)
     directory = run_dir(config.get("trainer.default_root_dir"), name)
     if ckpt_path is None:
         dirpath = config.get("checkpoint.dirpath")
-        ckpt_path = newest([directory / "checkpoints", *([Path(dirpath)] if dirpath else [])])
-    step = None
+        ckpt_path = newest([directory / CHECKPOINTS, *([Path(dirpath)] if dirpath else [])])
+    step = epoch = None
     if ckpt_path is not None and ckpt_path not in checkpoints.SPECIAL_PATHS:
         option = f"the run's folder {directory}"
-        step = checkpoints.check(ckpt_path, option, strategy=config.get("trainer.strategy")).get("global_step")
+        checked = checkpoints.check(ckpt_path, option, strategy=config.get("trainer.strategy"))
+        step, epoch = checked.get("global_step"), checked.get("epoch")
     return Run(
-        name, directory, ckpt_path, resume=directory.is_dir(), save_every_n_steps=every, **preemption,
-        resume_step=step if isinstance(step, int) else None,
+        name, directory, ckpt_path, resume=directory.is_dir(), **options,
+        resume_step=step if isinstance(step, int) else None, resume_epoch=epoch if isinstance(epoch, int) else None,
     )  # fmt: skip
+
+
+def _or_unknown(value: int | None) -> str:
+    return "?" if value is None else str(value)
 
 
 class PeriodicCheckpoint(Callback):
     """Rewrites ``checkpoints/last-step.ckpt`` every ``every`` training steps, for restarts after a SIGKILL.
 
-    It is written at the first batch end from which a resume is exact (``resume.exact_resume_point``), at most a
-    validation later than the step it is due: never between micro-batches, at an epoch's last batch or right before
-    a validation. ``ModelCheckpoint(every_n_train_steps=...)`` would write at those too.
+    It is written at the first batch end from which a resume is exact (``exact_resume_point``), at most a validation
+    later than the step it is due: ``ModelCheckpoint(every_n_train_steps=...)`` would also write between micro-batches,
+    at an epoch's last batch and right before a validation.
     """
 
     announcement = Mechanism(
         "periodic checkpoint", "last-step.ckpt every run.save_every_n_steps steps", "--run.save_every_n_steps=null"
     )
-
-    FILENAME = "last-step.ckpt"
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -93,7 +95,7 @@ class PeriodicCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step >= self._due and exact_resume_point(trainer):
             # A full training state, as ModelCheckpoint writes; Lightning logs a line when weights_only is left unset.
-            trainer.save_checkpoint(Path(checkpoint_dir(trainer)) / self.FILENAME, weights_only=False)
+            trainer.save_checkpoint(Path(checkpoint_dir(trainer)) / LAST_STEP, weights_only=False)
             self._due = (trainer.global_step // self.every + 1) * self.every
 
 

@@ -1,22 +1,18 @@
 """Exact mid-epoch resume for any map-style DataLoader, the user's code unchanged.
 
-An epoch's order is a function of the random states its sampler draws from when the epoch's iterator starts (the
-global torch, Python and NumPy generators, the sampler's or loader's own ``torch.Generator``, a
-``DistributedSampler``'s epoch). ``ResumableIndexSampler`` wraps the loader's batch sampler (or its sampler when the
-loader does not batch) and records those states once per epoch, when the DataLoader creates its iterator (before it
-draws its workers' base seed) and when the sampler starts drawing. They travel in the checkpoint
-(``RNGStateCheckpoint``); on resume the same order is drawn again from them and the batches already trained on are
-skipped as lists of indices: the dataset is not read for them. The DataLoader then draws its workers' base seed from
-the state it drew it from in the uninterrupted run, so worker seeds are the same.
+An epoch's order is a function of the random states its sampler draws from: the global torch, Python and NumPy
+generators, the sampler's or loader's ``torch.Generator``, a ``DistributedSampler``'s epoch. ``ResumableIndexSampler``
+wraps the loader's index sampler and records them each epoch, when the DataLoader creates its iterator (before it
+draws its workers' base seed) and when the sampler starts drawing; they travel in the checkpoint
+(``RNGStateCheckpoint``). On resume the same order is drawn again, the batches already trained on are skipped as
+lists of indices (the dataset is not read for them), and the workers' seed is drawn from the state it was drawn from.
 
-The wrapper lives in a shallow copy of the user's loader (same class, dataset, sampler, collate_fn, generator), made
-where Lightning itself processes the training loader (``Strategy.process_dataloader``); the user's object is not
-changed.
+The wrapper lives in a shallow copy of the user's loader, made where Lightning processes the training loader; the
+user's object is not changed.
 """
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Iterator
 from itertools import islice
@@ -35,6 +31,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRandomSampler
+
+from template.engine import internals
 
 try:
     import numpy as np
@@ -83,19 +81,11 @@ def capture_states(generators: list[torch.Generator], epoch_samplers: list[Any])
     return state
 
 
-def restore_states(state: dict[str, Any], generators: list[torch.Generator], epoch_samplers: list[Any]) -> None:
-    restore_global_states(state)
-    for generator, saved in zip(generators, state["generators"], strict=True):
-        generator.set_state(saved)
-    for sampler, epoch in zip(epoch_samplers, state["epochs"], strict=True):
-        sampler.set_epoch(epoch)
-
-
 class ResumableIndexSampler(Sampler):
     """The loader's index sampler (its batch sampler, or its sampler when it does not batch), able to skip batches.
 
-    Behaves as the wrapped one (same items, same length, same draws at the same moments); other attributes
-    (``batch_size``, ``drop_last``, ``sampler``, ``set_epoch``) are the wrapped one's.
+    Behaves as the wrapped one (same items and length, the same draws at the same moments); other attributes
+    (``batch_size``, ``drop_last``, ``set_epoch``...) are the wrapped one's.
     """
 
     def __init__(self, inner: Any, generators: list[torch.Generator], epoch_samplers: list[Any]) -> None:
@@ -105,11 +95,11 @@ class ResumableIndexSampler(Sampler):
         # This epoch's states: when the DataLoader created its iterator, and when the sampler started drawing.
         self.at_iterator: dict[str, Any] | None = None
         self.at_order: dict[str, Any] | None = None
-        # The first item of this epoch: a stop checks that the order of a sampler of unknown kind replays.
+        # This epoch's first item: a stop checks that the order of a sampler of unknown kind replays.
         self.first: Any = None
         self._resume: tuple[dict[str, Any], dict[str, Any], int] | None = None
         self.resuming = False
-        # Persistent workers, restarted at an epoch's end: the workers' seed of the run's first epoch, once.
+        # Persistent workers restarted at an epoch's end: the states their seed was first drawn from, and after it.
         self._workers_seed_from: dict[str, Any] | None = None
         self._after_seed: dict[str, Any] | None = None
 
@@ -121,6 +111,14 @@ class ResumableIndexSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    def _put_back(self, state: dict[str, Any], epochs: bool = False) -> None:
+        restore_global_states(state)
+        for generator, saved in zip(self.generators, state["generators"], strict=True):
+            generator.set_state(saved)
+        if epochs:
+            for sampler, epoch in zip(self.epoch_samplers, state["epochs"], strict=True):
+                sampler.set_epoch(epoch)
 
     def resume(self, at_iterator: dict[str, Any], at_order: dict[str, Any], done: int) -> None:
         """The next epoch replays the epoch drawn from these states and skips its first ``done`` items."""
@@ -134,21 +132,15 @@ class ResumableIndexSampler(Sampler):
     def before_iterator(self, new: bool, persistent: bool = False) -> None:
         """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
         if new and persistent and self._resume is None and self._workers_seed_from is not None:
-            # The seed is drawn from the state it was drawn from when the workers first started; the epoch's order
-            # then from the states training is at (restored at the first item).
+            # The seed from the states it was first drawn from; the epoch's order from where training is (put back at
+            # the first item).
             self._after_seed = capture_states(self.generators, self.epoch_samplers)
             self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
-            restore_global_states(self.at_iterator)
-            for generator, state in zip(self.generators, self.at_iterator["generators"], strict=True):
-                generator.set_state(state)
+            self._put_back(self.at_iterator)
             return
         self._workers_seed_from = None
         if self._resume is not None:
-            # The workers' base seed is drawn from the state it was drawn from in the uninterrupted run.
-            at_iterator = self._resume[0]
-            restore_global_states(at_iterator)
-            for generator, state in zip(self.generators, at_iterator["generators"], strict=True):
-                generator.set_state(state)
+            self._put_back(self._resume[0])  # the workers' seed as the uninterrupted run drew it
         elif new or self.at_iterator is None:
             self.at_iterator = capture_states(self.generators, self.epoch_samplers)
 
@@ -159,10 +151,8 @@ class ResumableIndexSampler(Sampler):
             yield from self._replay()
             return
         if self._after_seed is not None:
-            after, self._after_seed = self._after_seed, None
-            restore_global_states(after)
-            for generator, state in zip(self.generators, after["generators"], strict=True):
-                generator.set_state(state)
+            self._put_back(self._after_seed)
+            self._after_seed = None
         self.at_order = capture_states(self.generators, self.epoch_samplers)
         first = True
         for item in self.inner:
@@ -175,12 +165,11 @@ class ResumableIndexSampler(Sampler):
         at_iterator, at_order, done = self._resume
         self._resume = None
         now = capture_states(self.generators, self.epoch_samplers)
-        restore_states(at_order, self.generators, self.epoch_samplers)
+        self._put_back(at_order, epochs=True)
         iterator = iter(self.inner)
         first = next(iterator, None)  # the sampler draws its order here, from the recorded states
         self.first = _plain(first)
-        # Skipped as lists of indices: the dataset is not read for them.
-        for _ in islice(iterator, max(0, done - 1)):
+        for _ in islice(iterator, max(0, done - 1)):  # skipped as lists of indices: the dataset is not read
             pass
         self.at_iterator, self.at_order = at_iterator, at_order
         # The global generators go on from where training is; the sampler's own from where its order left them.
@@ -195,10 +184,10 @@ class ResumableIndexSampler(Sampler):
             return True
         saved = capture_states(self.generators, self.epoch_samplers)
         try:
-            restore_states(self.at_order, self.generators, self.epoch_samplers)
+            self._put_back(self.at_order, epochs=True)
             again = _plain(next(iter(self.inner), None))
         finally:
-            restore_states(saved, self.generators, self.epoch_samplers)
+            self._put_back(saved, epochs=True)
         return again == self.first
 
     def known_order(self) -> bool:
@@ -207,25 +196,21 @@ class ResumableIndexSampler(Sampler):
         return all(part is None or type(part) in KNOWN_SAMPLERS for part in parts)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 def _resumable_class(cls: type) -> type:
-    """The user's DataLoader class with one addition: its iterator's creation is announced to the index sampler."""
-    if cls not in _SUBCLASSES:
+    """The user's DataLoader class, whose ``__iter__`` first tells the index sampler that an iterator is made."""
 
-        def __iter__(self: DataLoader) -> Any:  # noqa: N807 - the DataLoader's own method, extended
-            sampler = wrapped(self)
-            if sampler is not None:
-                # With persistent workers only the first epoch creates the iterator (and draws the workers' seed).
-                persistent = self.persistent_workers and self.num_workers > 0
-                sampler.before_iterator(new=not (persistent and self._iterator is not None), persistent=persistent)
-            return super(subclass, self).__iter__()
+    def __iter__(self: DataLoader) -> Any:  # noqa: N807 - the DataLoader's own method, extended
+        sampler = wrapped(self)
+        if sampler is not None:
+            # With persistent workers only the first epoch creates the iterator (and draws the workers' seed).
+            persistent = self.persistent_workers and self.num_workers > 0
+            sampler.before_iterator(new=not (persistent and internals.has_iterator(self)), persistent=persistent)
+        return super(subclass, self).__iter__()
 
-        subclass = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": __name__})
-        subclass.__qualname__ = cls.__qualname__
-        _SUBCLASSES[cls] = subclass
-    return _SUBCLASSES[cls]
+    subclass = type(
+        cls.__name__, (cls,), {"__iter__": __iter__, "__module__": __name__, "__qualname__": cls.__qualname__}
+    )
+    return subclass
 
 
 def _plain(item: Any) -> Any:
@@ -244,16 +229,20 @@ def wrapped(loader: object) -> ResumableIndexSampler | None:
     return None
 
 
+def is_stateful(loader: object) -> bool:
+    """Whether a loader saves its own place in an epoch (torchdata's StatefulDataLoader), which Lightning restores."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
 def not_resumable_reason(loader: object) -> str | None:
     """Why a training loader cannot be put back at its place in an epoch; None where it can."""
-    if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
-        return None  # it saves its own place (torchdata's StatefulDataLoader); Lightning restores it
+    if is_stateful(loader):
+        return None
     if not isinstance(loader, DataLoader):
         return f"a {type(loader).__name__}, not a torch DataLoader"
-    dataset = loader.dataset
-    if isinstance(dataset, IterableDataset):
+    if isinstance(loader.dataset, IterableDataset):
         # A plain DataLoader saves no place in an iterable dataset, whatever the dataset keeps.
-        name = type(dataset).__name__
+        name = type(loader.dataset).__name__
         return f"its dataset {name} is an IterableDataset, read by a DataLoader that saves no place in it"
     return None
 
@@ -262,8 +251,8 @@ def make_resumable(loader: object) -> object:
     """A copy of a map-style DataLoader whose index sampler can replay an epoch and skip into it; others unchanged."""
     if not isinstance(loader, DataLoader) or wrapped(loader) is not None or not_resumable_reason(loader) is not None:
         return loader
-    if callable(getattr(loader, "state_dict", None)):
-        return loader  # a stateful loader: Lightning saves and restores its place
+    if is_stateful(loader):
+        return loader
     batching = loader.batch_sampler is not None
     inner = loader.batch_sampler if batching else loader.sampler
     samplers = [inner, getattr(inner, "sampler", None), loader.sampler]
@@ -276,12 +265,10 @@ def make_resumable(loader: object) -> object:
         epochs = callable(getattr(sampler, "set_epoch", None)) and hasattr(sampler, "epoch")
         if epochs and all(sampler is not s for s in epoch_samplers):
             epoch_samplers.append(sampler)
-    resumable = copy.copy(loader)
-    # DataLoader refuses to change its samplers after __init__; this is a copy, the user's loader is unchanged.
-    object.__setattr__(resumable, "_iterator", None)
+    resumable = internals.dataloader_copy(loader, _resumable_class(type(loader)))
+    # DataLoader refuses new samplers after __init__; this is the copy, the user's loader keeps its own.
     wrapper = ResumableIndexSampler(inner, generators, epoch_samplers)
     object.__setattr__(resumable, "batch_sampler" if batching else "sampler", wrapper)
-    resumable.__class__ = _resumable_class(type(loader))
     return resumable
 
 

@@ -1,5 +1,5 @@
-"""Exact resume: every process's random number generator states travel in the checkpoint and come back on resume,
-and checkpoints written on the way (a stop, a periodic save) are written only where Lightning resumes exactly."""
+"""Exact resume: every process's random states travel in the checkpoint and come back on resume, and a checkpoint
+written on the way (a stop, a periodic save) is written only where Lightning resumes exactly."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from template.engine import internals
 from template.engine.logs.console import Mechanism
 from template.engine.resume.loader import (
     global_states,
+    is_stateful,
     make_resumable,
     not_resumable_reason,
     restore_global_states,
@@ -26,12 +27,9 @@ from template.engine.strategies.devices import process_devices
 
 
 def exact_resume_point(trainer: Trainer) -> bool:
-    """Whether a checkpoint written at the end of the training batch that just ended continues exactly.
-
-    Not between micro-batches (checkpoints hold no accumulated gradients), not at an epoch's last batch and not right
-    before a validation: Lightning resumes from those by skipping the validation or the epoch's end. A stop or a
-    periodic save there waits for the epoch's end or the next batch's end, from which Lightning resumes exactly.
-    """
+    """Whether a checkpoint written at the end of the training batch that just ended continues exactly: not between
+    micro-batches (checkpoints hold no gradients), at an epoch's last batch or right before a validation (Lightning
+    resumes from those by skipping the validation or the epoch's end)."""
     loop = trainer.fit_loop.epoch_loop
     return not (
         loop.batch_progress.is_last_batch or internals.accumulating(trainer) or internals.validation_follows(trainer)
@@ -41,11 +39,8 @@ def exact_resume_point(trainer: Trainer) -> bool:
 class RNGStateCheckpoint(Callback):
     """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank, and restores them on resume.
 
-    Also puts a map-style training DataLoader back at its place in an epoch (``engine/resumable_loader.py``): the
-    training loader Lightning uses is a copy of the user's whose index sampler records the random states each epoch's
-    order is drawn from; a resume in the middle of an epoch draws that order again and skips the batches already
-    trained on by index. Checkpoints hold only tensors and plain Python values, so they load with
-    ``torch.load(weights_only=True)``.
+    Also puts a map-style training DataLoader back at its place in an epoch: Lightning trains on a resumable copy of
+    it (``resume/loader.py``). Checkpoints hold only tensors and plain values: they load with ``weights_only=True``.
     """
 
     announcement = Mechanism(
@@ -71,8 +66,9 @@ class RNGStateCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
         if stage == "fit" and self._patched is None:
-            # Lightning passes every loader through its strategy's process_dataloader after inserting its samplers
-            # and before creating the first iterator: the training loader is replaced there by a resumable copy.
+            # The training loader is replaced by its resumable copy after Lightning inserted its samplers and before
+            # it makes the first iterator (FitLoop.setup_data). No callback hook runs there; the strategy's
+            # process_dataloader does, and the strategy is the user's choice: this instance's is wrapped for the fit.
             strategy = trainer.strategy
             process = strategy.process_dataloader
 
@@ -80,8 +76,8 @@ class RNGStateCheckpoint(Callback):
                 dataloader = process(dataloader)
                 if trainer.state.stage != RunningStage.TRAINING:
                     return dataloader
-                # Lightning creates the epoch's first iterator before it sets the samplers' epoch: on a restart in a
-                # later epoch a DistributedSampler would draw epoch 0's order, and a StatefulDataLoader skip into it.
+                # Lightning makes the first iterator before it sets the samplers' epoch: restarted in a later epoch, a
+                # DistributedSampler would draw epoch 0's order (and a StatefulDataLoader skip into it).
                 _set_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
                 return self._resumable(dataloader)
 
@@ -90,8 +86,7 @@ class RNGStateCheckpoint(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._patched is not None:
-            # Only this instance's attribute goes; the strategy's own method is back.
-            self._patched.__dict__.pop("process_dataloader", None)
+            self._patched.__dict__.pop("process_dataloader", None)  # the class's method is back
             self._patched = None
 
     def _resumable(self, dataloader: object) -> object:
@@ -109,7 +104,7 @@ class RNGStateCheckpoint(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         progress = trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.processed
-        # A stop is under way: Lightning's own SIGTERM handling, or Preemption's (its signal's time is public).
+        # A stop under way: Lightning's own SIGTERM handling, or Preemption's (its signal's time is public).
         stopping = trainer.received_sigterm or any(getattr(c, "signalled_at", None) for c in trainer.callbacks)
         if not stopping or not done or progress.is_last_batch:
             return
@@ -117,16 +112,9 @@ class RNGStateCheckpoint(Callback):
         for index, loader in enumerate(self._train_loaders()):
             reason = not_resumable_reason(loader)
             sampler = wrapped(loader)
-            if (
-                reason is None
-                and sampler is not None
-                and not sampler.known_order()
-                and not sampler.order_reproducible()
-            ):
-                reason = (
-                    f"its sampler {type(sampler.inner).__name__} draws an order that the recorded random states do not "
-                    "draw again"
-                )
+            if reason is None and sampler is not None and not (sampler.known_order() or sampler.order_reproducible()):
+                name = type(sampler.inner).__name__
+                reason = f"its sampler {name} draws an order that the recorded random states do not draw again"
             if reason is not None:
                 name = f"{type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
                 rank_zero_info(
@@ -170,8 +158,8 @@ class RNGStateCheckpoint(Callback):
         self._pending_loaders = list(state.get("loaders") or [])
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # Batches of the current epoch already trained on when the checkpoint was written ("processed": a
-        # checkpoint saved from on_train_batch_end has not counted its batch as completed yet).
+        # Batches of the epoch trained on when the checkpoint was written ("processed": one saved from
+        # on_train_batch_end has not counted its batch as completed yet).
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
         self._batches_done = progress.get("current", {}).get("processed")
         self._last_batch = bool(progress.get("is_last_batch", False))
@@ -180,7 +168,7 @@ class RNGStateCheckpoint(Callback):
         loaders = self._train_loaders()
         # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
         # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
-        stateful = bool(loaders) and all(_is_stateful(loader) for loader in loaders)
+        stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
         replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
         if (stateful or replayed) and self._restored is not None:
@@ -213,7 +201,7 @@ class RNGStateCheckpoint(Callback):
             # epoch; a new one draws from the restored states, as the uninterrupted run did.
             iter(internals.fit_data_fetcher(trainer))
         # A resumable copy without recorded states (a checkpoint written by an older version) cannot replay.
-        resumed = all(_is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
+        resumed = all(is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
@@ -239,10 +227,6 @@ def _set_epoch(loader: object, epoch: int) -> None:
     for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
-
-
-def _is_stateful(loader: DataLoader) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | None]:

@@ -1,7 +1,77 @@
-"""Run folders and their record: where a run's files go, its name, its lock, how each start ended, the runs table.
+"""Run folders and their record: the one owner of a run folder's layout and names, its lock, how each start ended
+(``provenance.py``), and the ``runs`` table. Other packages ask here for any path into a run folder.
 
-Uses the store (writes), strategies (the devices a run used) and errors; light on purpose: the runs table reads these
-names without importing torch.
+Uses the store (writes, the lock), strategies (the devices a run used) and errors. This module imports neither torch
+nor Lightning: the runs table reads run folders with these names alone.
 """
 
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
 LOGS = "lightning_logs"  # under trainer.default_root_dir: one folder per run
+CONFIG = "config.yaml"  # the config of the run's first start; a differing restart's is config.restart-<n>.yaml
+PROVENANCE = "provenance.json"  # one entry per start: how the run was made and how that start ended
+METRICS = "metrics.csv"  # the CSV logger's
+CHECKPOINTS = "checkpoints"  # the run's checkpoints, unless checkpoint.dirpath puts them elsewhere
+LAST = "last.ckpt"  # written at every validation (the checkpoint section's ModelCheckpoint)
+INTERRUPTED = "interrupted.ckpt"  # written when a signal stops the run (jobs/preemption.py)
+LAST_STEP = "last-step.ckpt"  # written every run.save_every_n_steps steps
+
+
+def run_dir(root: str | os.PathLike | None, name: str) -> Path:
+    """The folder of the run ``name`` under ``trainer.default_root_dir``."""
+    return Path(root or ".") / LOGS / name
+
+
+def configs(folder: str | os.PathLike) -> list[Path]:
+    """The configs a run saved, in the order written: ``config.yaml``, then each ``config.restart-<n>.yaml``."""
+    restarts = _restarts(Path(folder))
+    return [p for p in [Path(folder) / CONFIG, *(restarts[n] for n in sorted(restarts))] if p.is_file()]
+
+
+def restart_config(folder: str | os.PathLike) -> Path:
+    """Where a restart whose config differs from the first saves it: the next ``config.restart-<n>.yaml``."""
+    return Path(folder) / f"config.restart-{max(_restarts(Path(folder)), default=0) + 1}.yaml"
+
+
+def _restarts(folder: Path) -> dict[int, Path]:
+    return {int(n): p for p in folder.glob("config.restart-*.yaml") if (n := p.name[15:-5]).isdigit()}
+
+
+def config_of(checkpoint: str | os.PathLike) -> Path:
+    """The ``config.yaml`` of the run a checkpoint in its ``checkpoints/`` folder belongs to."""
+    return Path(checkpoint).resolve().parent.parent / CONFIG
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint: a folder of torch distributed checkpoint shards (strategy fsdp)."""
+    return (Path(path) / ".metadata").is_file()
+
+
+def settled(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``starts`` (provenance.json's, oldest first) with each start that wrote no end and is not running ``killed``
+    (SIGKILL, the OOM killer, a lost node).
+
+    The folder's lock lets one process at a time run a run, so only the newest start may still be running: it is
+    unless it ran on this host and its process is gone (another host's cannot be checked from here).
+    """
+    for i, start in enumerate(starts):
+        if start.get("status") == "running" and (i < len(starts) - 1 or not _may_be_running(start)):
+            start["status"] = "killed"
+    return starts
+
+
+def _may_be_running(start: dict[str, Any]) -> bool:
+    if start.get("hosts") != [socket.gethostname()] or not isinstance(start.get("pid"), int):
+        return True
+    try:
+        os.kill(start["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -1,23 +1,24 @@
-"""One run folder across restarts: the run's name, its newest checkpoint, and its config kept once."""
+"""One run folder across restarts: its name, its claim (lock) by one command, its config kept once, and its newest
+checkpoint, which the same command continues from."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+from jsonargparse.typing import NonNegativeFloat, PositiveInt
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
 from template.engine.errors import ConfigError, disk_errors
-from template.engine.runs import LOGS
-from template.engine.store import atomic_write, prove_writable, undone_on_failure
+from template.engine.runs import CHECKPOINTS, LAST, is_sharded, restart_config
+from template.engine.store import Lock, atomic_write, prove_writable, try_lock, undone_on_failure
 
 # Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
 _INTERACTIVE_JOB_NAMES = ("bash", "interactive")
@@ -32,9 +33,9 @@ class RunOptions:
     def __init__(
         self,
         name: str | None = None,
-        save_every_n_steps: int | None = None,
+        save_every_n_steps: PositiveInt | None = None,
         preemption: bool = True,
-        preemption_check_interval: float = 1.0,
+        preemption_check_interval: NonNegativeFloat = 1.0,
     ) -> None:
         """``name``: the run's folder under ``<default_root_dir>/lightning_logs/`` (default: the scheduler's job id).
 
@@ -73,11 +74,6 @@ def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.
     return None
 
 
-def run_dir(root: str | os.PathLike | None, name: str) -> Path:
-    """The run's folder: logs, ``config.yaml`` and ``checkpoints/``."""
-    return Path(root or ".") / LOGS / name
-
-
 def run_folder_arguments(directory: Path | None, trainer_config: dict[str, Any], checkpoint: Any) -> dict[str, Any]:
     """Keep a named run's checkpoints in its own folder whatever the loggers, so that the same command finds them.
 
@@ -88,7 +84,7 @@ def run_folder_arguments(directory: Path | None, trainer_config: dict[str, Any],
     if directory is None:
         return {}
     if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:
-        checkpoint.dirpath = str(directory / "checkpoints")
+        checkpoint.dirpath = str(directory / CHECKPOINTS)
     return {"default_root_dir": str(directory)} if trainer_config.get("logger") is False else {}
 
 
@@ -110,11 +106,8 @@ class RunConfigCallback(SaveConfigCallback):
         if trainer.is_global_zero:
             text = self.parser.dump(self.config, skip_none=False)
             if _without_ckpt_path(first.read_text()) != _without_ckpt_path(text):
-                # The first config stays as it was; each differing restart adds config.restart-<n>.yaml.
-                n = 1
-                while (Path(log_dir) / f"config.restart-{n}.yaml").exists():
-                    n += 1
-                restart = Path(log_dir) / f"config.restart-{n}.yaml"
+                # The first config stays as it was; each differing restart adds its own beside it.
+                restart = restart_config(log_dir)
                 with disk_errors(restart, "nothing was written"):
                     atomic_write(restart, lambda f: f.write(text.encode()))
         self.already_saved = trainer.strategy.broadcast(True)
@@ -125,134 +118,80 @@ def _without_ckpt_path(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.startswith("ckpt_path:"))
 
 
-class RunFolder:
-    """The folder a command writes into, claimed before anything is written.
+class RunFolders:
+    """The folders one command writes into: the run's, claimed before anything is written there, and the others it
+    creates (a ``checkpoint.dirpath`` of the user's). The command owns this object and releases it when it ends.
 
-    One process per folder: a lock on the folder itself, which the kernel releases when the process ends however it
-    ends, so a killed run never leaves it stuck. A folder the command created is removed again when the command stops
-    on a mistake before its first training step (``discard_unstarted``): a mistake leaves the disk as it was.
+    The claim locks the run's folder (``store.try_lock``): one process per run. What the command created is removed
+    again when it stops on a mistake before its first training step (``discard_unstarted``): a mistake leaves the disk
+    as it was. Only the process of global rank zero claims and creates; in the others these calls do nothing.
     """
 
-    claimed: RunFolder | None = None
+    def __init__(self) -> None:
+        self.lock: Lock | None = None
+        self.run_created: Path | None = None  # the topmost folder the claim created for the run
+        self.trainer: Trainer | None = None  # its global step tells whether training started
+        # Each folder created, with the times of the folder it was made in, given back when it is removed again.
+        self.created: dict[Path, tuple[int, int] | None] = {}
 
-    def __init__(self, directory: Path, created: Path | None, handle: int, parent_times: tuple | None) -> None:
-        self.directory = directory
-        self.created = created
-        # The times of the folder the new one was made in, given back when it is removed again.
-        self.parent_times = parent_times
-        self.handle = handle  # kept open: closing it would release the lock
-        self.trainer: Trainer | None = None
+    def claim(
+        self, directory: str | os.PathLike, name: str | None, option: str, trainer: Trainer | None = None
+    ) -> None:
+        """Create ``directory`` if needed, prove it writable and lock it; a ConfigError when another process has it."""
+        if not _global_zero():
+            return
+        if self.lock is not None:
+            self.lock.release()
+        self.run_created, self.trainer = self._create(Path(directory).absolute(), option), trainer
+        self.lock = try_lock(directory)
+        if self.lock is None:
+            which = f"run {name!r}" if name else f"the run in {Path(directory).absolute()}"
+            raise ConfigError(
+                f"{which} is already running in another process (its folder {Path(directory).absolute()} is "
+                "locked); wait for it to end or stop it, or start this one under another --run.name"
+            )
 
+    def prepare(self, directory: str | os.PathLike, option: str) -> None:
+        """Create ``directory`` if needed and prove it writable before training; a DiskError naming ``option`` if not
+        (what was created for it is removed again)."""
+        if _global_zero():
+            self._create(Path(directory).absolute(), option)
 
-_forks_drop_the_lock = False
-
-
-def claim(directory: str | os.PathLike, name: str | None, option: str) -> RunFolder | None:
-    """Create ``directory`` if needed and lock it for this process; a ConfigError when another process has it.
-
-    Only the process of global rank zero claims (the others write nothing there); None in the others.
-    """
-    _unlock()  # a command run earlier in this process (a test, a notebook) has ended
-    if not _global_zero():
-        return None
-    directory = Path(directory).absolute()
-    created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
-    times = _times(created.parent) if created is not None else None
-    prove_writable(directory, option)
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(handle)
-        which = f"run {name!r}" if name else f"the run in {directory}"
-        raise ConfigError(
-            f"{which} is already running in another process (its folder {directory} is locked); wait for it to end "
-            "or stop it, or start this one under another --run.name"
-        ) from None
-    RunFolder.claimed = RunFolder(directory, created, handle, times)
-    global _forks_drop_the_lock
-    if not _forks_drop_the_lock:
-        # A forked child (a DataLoader worker) shares the lock; a SIGKILLed run's workers live on for seconds and
-        # would refuse the same command started again at once (torchrun's restart): the lock is this process's alone.
-        os.register_at_fork(after_in_child=_unlock)
-        _forks_drop_the_lock = True
-    return RunFolder.claimed
-
-
-# Folders a command created for the run besides its own (a ``checkpoint.dirpath`` of the user's), with the times of
-# the folder each was made in: removed with the run's when the command stops before training (``discard_unstarted``).
-_created: list[tuple[Path, tuple | None]] = []
-
-
-def prepare_folder(directory: str | os.PathLike, option: str) -> None:
-    """Create ``directory`` if needed and prove it writable before training; a DiskError naming ``option`` if not.
-
-    What this creates is removed again, leaving the disk as it was, when it cannot be written or the command stops
-    on a mistake before its first training step.
-    """
-    if not _global_zero():
-        return
-    directory = Path(directory).absolute()
-    created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
-    times = _times(created.parent) if created is not None else None
-    try:
-        prove_writable(directory, option)
-    except BaseException:
+    def _create(self, directory: Path, option: str) -> Path | None:
+        created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
         if created is not None:
-            _remove(created, times)
-        raise
-    if created is not None:
-        _created.append((created, times))
+            try:
+                stat = created.parent.stat()
+                self.created[created] = stat.st_atime_ns, stat.st_mtime_ns
+            except OSError:
+                self.created[created] = None
+        try:
+            prove_writable(directory, option)
+        except BaseException:
+            if created is not None:
+                self._remove(created)
+            raise
+        return created
 
+    def discard_unstarted(self) -> None:
+        """Remove what this command created, when it stopped before its first training step, except folders that hold
+        a checkpoint (a ``checkpoint.dirpath`` it created goes whenever it holds none)."""
+        started = self.trainer is not None and self.trainer.global_step > 0
+        for created in reversed(list(self.created)):
+            if not (created == self.run_created and started) and not any(created.rglob("*.ckpt")):
+                self._remove(created)
 
-def release() -> None:
-    """Unlock the claimed folder: the command has ended (the process ending does the same)."""
-    _created.clear()
-    _unlock()
+    def _remove(self, created: Path) -> None:
+        shutil.rmtree(created, ignore_errors=True)
+        if (times := self.created.pop(created, None)) is not None:  # the parent's times, as before
+            with contextlib.suppress(OSError):
+                os.utime(created.parent, ns=times)
 
-
-def _unlock() -> None:
-    folder, RunFolder.claimed = RunFolder.claimed, None
-    if folder is not None:
-        with contextlib.suppress(OSError):
-            os.close(folder.handle)
-
-
-def discard_unstarted() -> Path | None:
-    """Remove the folder the claimed run created, when it stopped before its first training step; what was removed.
-
-    The other folders the command created for it (``prepare_folder``) go too, unless they hold a checkpoint.
-    """
-    others, _created[:] = list(_created), []
-    for created, times in reversed(others):
-        if not any(created.rglob("*.ckpt")):
-            _remove(created, times)
-    folder = RunFolder.claimed
-    if folder is None or folder.created is None:
-        return None
-    trainer = folder.trainer
-    if trainer is not None and trainer.global_step > 0:
-        return None
-    if any(folder.created.rglob("*.ckpt")):
-        return None
-    _remove(folder.created, folder.parent_times)
-    return folder.created
-
-
-def _remove(created: Path, parent_times: tuple | None) -> None:
-    """Remove a folder this command created, and give the folder it was made in its times back."""
-    shutil.rmtree(created, ignore_errors=True)
-    if parent_times is not None:
-        with contextlib.suppress(OSError):
-            os.utime(created.parent, ns=parent_times)
-
-
-def _times(path: Path) -> tuple[int, int] | None:
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return stat.st_atime_ns, stat.st_mtime_ns
+    def release(self) -> None:
+        """Unlock the run's folder: the command has ended (the process ending does the same)."""
+        if self.lock is not None:
+            self.lock.release()
+        self.lock, self.run_created, self.created = None, None, {}
 
 
 def _global_zero() -> bool:
@@ -264,17 +203,12 @@ def _global_zero() -> bool:
     )
 
 
-def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a sharded checkpoint: a folder of torch distributed checkpoint shards (strategy fsdp)."""
-    return (Path(path) / ".metadata").is_file()
-
-
 def checkpoint_dir(trainer: Any) -> str:
     """Where the run's checkpoints go: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``."""
     callback = trainer.checkpoint_callback
     if callback is not None and getattr(callback, "dirpath", None):
         return str(callback.dirpath)
-    return os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+    return os.path.join(trainer.log_dir or trainer.default_root_dir, CHECKPOINTS)
 
 
 def newest(directories: list[Path]) -> str | None:
@@ -283,13 +217,13 @@ def newest(directories: list[Path]) -> str | None:
     if not candidates:
         return None
     # On equal times prefer last.ckpt: ModelCheckpoint writes it right after the best-* file of the same step.
-    return str(max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith("last"))))
+    return str(max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith(Path(LAST).stem))))
 
 
 def newest_under(root: str | os.PathLike, dirpath: str | os.PathLike | None = None) -> str:
     """What ``--ckpt_path last`` means: the newest ``.ckpt`` of the runs under ``root``; a ConfigError for none."""
     root = Path(root)
-    directories = [*root.glob("*/*/checkpoints"), root / "checkpoints", *([Path(dirpath)] if dirpath else [])]
+    directories = [*root.glob(f"*/*/{CHECKPOINTS}"), root / CHECKPOINTS, *([Path(dirpath)] if dirpath else [])]
     found = newest(directories)
     if found is None:
         raise ConfigError(

@@ -24,66 +24,47 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from template.engine.errors import one_line
+from template.engine.runs import PROVENANCE, settled
 from template.engine.store import atomic_write
 from template.engine.strategies.devices import process_devices
 
-FILENAME = "provenance.json"
 # The distributions whose versions decide what a run computes; others installed are not listed.
 PACKAGES = ("torch", "lightning", "torchmetrics", "torchdata", "jsonargparse", "numpy", "mlflow-skinny", "wandb")
-_GIT_TIMEOUT = 10  # seconds; git answers in milliseconds unless the repository is on a hung network filesystem
+_GIT_TIMEOUT = 10  # seconds
 
 
 def git_state(directory: str | os.PathLike) -> dict[str, Any]:
-    """The commit checked out in ``directory``'s repository, whether tracked files differ from it, and the diff.
-
-    Outside a repository, or without git, ``commit`` is None and ``reason`` says why; this never raises.
+    """The commit checked out in ``directory``'s repository, whether tracked files differ from it, the diff and the
+    untracked files; outside a repository, or without git, ``commit`` is None and ``reason`` says why. Never raises.
     """
+    commands = [
+        ("rev-parse", "HEAD"),
+        ("diff", "HEAD", "--no-color", "--no-ext-diff"),
+        ("ls-files", "--others", "--exclude-standard", "--full-name"),
+    ]
+    processes: list[subprocess.Popen] = []
     try:
-        commit, diff, untracked = _git(
-            directory,
-            ("rev-parse", "HEAD"),
-            ("diff", "HEAD", "--no-color", "--no-ext-diff"),
-            ("ls-files", "--others", "--exclude-standard", "--full-name"),
-        )
+        # All at once: a start waits for the slowest, not for the sum.
+        for args in commands:
+            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL}
+            processes.append(subprocess.Popen(["git", "-C", str(directory), *args], text=True, **pipes))
+        # Milliseconds, unless the repository is on a hung network filesystem.
+        outputs = [process.communicate(timeout=_GIT_TIMEOUT) for process in processes]
     except FileNotFoundError:
         return {"commit": None, "reason": "git is not installed"}
     except (OSError, subprocess.SubprocessError) as err:
         return {"commit": None, "reason": one_line(str(err))[:300]}
-    untracked_files = untracked.split("\n")
-    return {"commit": commit.strip(), "dirty": bool(diff), "diff": diff, "untracked": [p for p in untracked_files if p]}
-
-
-def _git(directory: str | os.PathLike, *commands: tuple[str, ...]) -> list[str]:
-    """The output of each git command, all started at once: a run's start waits for the slowest, not for the sum.
-
-    The first that fails, in the order given, raises.
-    """
-    started: list[subprocess.Popen] = []
-    done: set[int] = set()
-    try:
-        for args in commands:
-            started.append(
-                subprocess.Popen(
-                    ["git", "-C", str(directory), *args],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                )
-            )
-        outputs = []
-        for args, process in zip(commands, started, strict=True):
-            stdout, stderr = process.communicate(timeout=_GIT_TIMEOUT)
-            done.add(id(process))
-            if process.returncode != 0:
-                raise subprocess.SubprocessError(stderr.strip() or f"git {args[0]} exited with {process.returncode}")
-            outputs.append(stdout)
-        return outputs
     finally:
-        for process in started:
-            if id(process) not in done:
+        for process in processes:
+            if process.poll() is None:
                 process.kill()
                 process.communicate()
+    for args, process, (_, stderr) in zip(commands, processes, outputs, strict=True):
+        if process.returncode != 0:
+            reason = stderr.strip() or f"git {args[0]} exited with {process.returncode}"
+            return {"commit": None, "reason": one_line(reason)[:300]}
+    (commit, _), (diff, _), (untracked, _) = outputs
+    return {"commit": commit.strip(), "dirty": bool(diff), "diff": diff, "untracked": untracked.splitlines()}
 
 
 def package_versions() -> dict[str, str]:
@@ -151,13 +132,8 @@ class Provenance(Callback):
         log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
         if not trainer.is_global_zero or log_dir is None:
             return
-        self._path = Path(log_dir) / FILENAME
+        self._path = Path(log_dir) / PROVENANCE
         entries = self._read()
-        for entry in entries:
-            if entry.get("status") == "running":
-                # The run's folder is locked for one process at a time: an earlier start that wrote no end was
-                # killed (SIGKILL, the OOM killer, a lost node).
-                entry["status"] = "killed"
         git = git_state(Path(__file__).resolve().parent)
         diff = git.pop("diff", "")
         if git.get("commit") and diff:
@@ -190,7 +166,7 @@ class Provenance(Callback):
             "hosts": sorted({p["host"] for p in processes}),
             "devices": [device for p in processes for device in p["devices"]],
         }
-        self._write(entries + [self._entry])
+        self._write(settled([*entries, self._entry]))  # an earlier start that wrote no end was killed
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

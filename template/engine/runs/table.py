@@ -12,51 +12,22 @@ import io
 import json
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from template.engine.runs import LOGS
+from template.engine.runs import CHECKPOINTS, CONFIG, INTERRUPTED, LOGS, METRICS, PROVENANCE, configs, settled
 
 # Files any run folder holds; a folder with one of them is a run.
-_RUN_FILES = ("provenance.json", "config.yaml", "metrics.csv")
+_RUN_FILES = (PROVENANCE, CONFIG, METRICS)
 # Keys that differ between runs without saying anything about how they differ.
 _IGNORED_KEYS = {"ckpt_path", "run.name"}
 SAMPLES_PER_SEC = "throughput/samples_per_sec"
-
-
-@dataclass
-class RunRow:
-    """One run: what the table shows, and its flattened config for the comparison."""
-
-    name: str
-    status: str = "-"
-    best: str = "-"
-    epochs: str = "-"
-    steps: str = "-"
-    duration: str = "-"
-    samples_per_sec: str = "-"
-    config: dict[str, str] = field(default_factory=dict)
-
-    def cells(self) -> list[str]:
-        return [
-            self.name,
-            self.status,
-            self.best,
-            self.epochs,
-            self.steps,
-            self.duration,
-            self.samples_per_sec,
-        ]
-
-
 HEADER = ["run", "status", "best", "epochs", "steps", "duration", "samples/s"]
 
 
@@ -66,56 +37,47 @@ def find_runs(root: Path) -> list[Path]:
         root = root / LOGS
     found = []
     for directory, subdirectories, files in os.walk(root):
-        subdirectories[:] = sorted(d for d in subdirectories if d != "checkpoints" and not d.startswith("."))
+        subdirectories[:] = sorted(d for d in subdirectories if d != CHECKPOINTS and not d.startswith("."))
         if any(name in files for name in _RUN_FILES):
             found.append(Path(directory))
     return sorted(found)
 
 
-def read_run(folder: Path, root: Path) -> RunRow:
-    """The table's row for one run folder; what a run did not write stays ``-``."""
-    name = str(folder.relative_to(root)) if folder != root else folder.name
-    row = RunRow(name=name)
-    starts = _read_starts(folder)
-    config = _read_config(folder)
-    metrics = _read_metrics(folder / "metrics.csv")
-    row.config = _flatten(config)
-    row.status = _status(starts, folder)
-    monitor = row.config.get("checkpoint.monitor")
-    mode = row.config.get("checkpoint.mode", "min")
+def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
+    """One run's cells under ``HEADER`` (``-`` for what it did not write) and its config, flattened."""
+    starts, config, metrics = _read_starts(folder), _flatten(_read_config(folder)), _read_metrics(folder / METRICS)
+    monitor = config.get("checkpoint.monitor")
     values = _column(metrics, monitor) if monitor else []
-    if values:
-        best = max(values) if mode == "max" else min(values)
-        row.best = f"{monitor}={best:.4g}"
+    best = (max if config.get("checkpoint.mode", "min") == "max" else min)(values, default=0.0)
     ended = [s for s in starts if isinstance(s.get("steps"), int)]
     if ended:
         # What the trainer counted when the run last stopped: epochs completed (Lightning's current_epoch) and steps.
-        row.epochs, row.steps = str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
+        epochs, steps = str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
     else:
-        epochs, steps = _column(metrics, "epoch"), _column(metrics, "step")
-        row.epochs = str(int(max(epochs)) + 1) if epochs else "-"
-        row.steps = str(int(max(steps)) + 1) if steps else "-"
-    seconds = sum(_seconds(start) for start in starts)
-    if starts:
-        row.duration = _duration(seconds)
+        epochs, steps = (str(int(max(c)) + 1) if (c := _column(metrics, k)) else "-" for k in ("epoch", "step"))
     speed = _column(metrics, SAMPLES_PER_SEC)
-    if speed:
-        row.samples_per_sec = f"{speed[-1]:.0f}"
-    return row
+    return [
+        str(folder.relative_to(root)) if folder != root else folder.name,
+        _status(starts, folder),
+        f"{monitor}={best:.4g}" if values else "-",
+        epochs,
+        steps,
+        _duration(sum(_seconds(start) for start in starts)) if starts else "-",
+        f"{speed[-1]:.0f}" if speed else "-",
+    ], config
 
 
 def _read_starts(folder: Path) -> list[dict[str, Any]]:
     try:
-        starts = json.loads((folder / "provenance.json").read_text())["starts"]
+        starts = json.loads((folder / PROVENANCE).read_text())["starts"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return [s for s in starts if isinstance(s, dict)]
+    return settled([s for s in starts if isinstance(s, dict)])
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    # A restart with a changed config writes config.restart-<n>.yaml beside the first: the newest is what ran last.
-    restarts = sorted(folder.glob("config.restart-*.yaml"), key=lambda p: _restart_number(p.name))
-    for path in [*reversed(restarts), folder / "config.yaml"]:
+    # A restart with a changed config saves it beside the first: the newest is what ran last.
+    for path in reversed(configs(folder)):
         try:
             loaded = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
@@ -123,13 +85,6 @@ def _read_config(folder: Path) -> dict[str, Any]:
         if isinstance(loaded, dict):
             return loaded
     return {}
-
-
-def _restart_number(name: str) -> int:
-    try:
-        return int(name.removeprefix("config.restart-").removesuffix(".yaml"))
-    except ValueError:
-        return 0
 
 
 def _read_metrics(path: Path) -> list[dict[str, str]]:
@@ -169,29 +124,14 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 def _status(starts: list[dict[str, Any]], folder: Path) -> str:
     if not starts:
-        return "interrupted" if (folder / "checkpoints" / "interrupted.ckpt").exists() else "-"
+        return "interrupted" if (folder / CHECKPOINTS / INTERRUPTED).exists() else "-"
     last = starts[-1]
     status = str(last.get("status", "-"))
     if status == "interrupted":
         return f"interrupted ({last.get('signal', '?')})"
     if status == "failed":
         return f"failed ({last.get('error', '?')})"
-    if status == "running" and not _may_be_running(last):
-        # No end was written: the process was killed (SIGKILL, OOM killer, a lost node).
-        return "killed"
     return status
-
-
-def _may_be_running(start: dict[str, Any]) -> bool:
-    if start.get("hosts") != [socket.gethostname()] or not isinstance(start.get("pid"), int):
-        return True  # another machine's process: it cannot be checked from here
-    try:
-        os.kill(start["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _seconds(start: dict[str, Any]) -> float:
@@ -211,16 +151,12 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def differing_keys(rows: Sequence[RunRow]) -> list[str]:
-    """The config keys whose values are not the same in every run shown (a missing key counts as a value)."""
-    keys = sorted({key for row in rows for key in row.config} - _IGNORED_KEYS)
-    return [key for key in keys if len({row.config.get(key, "-") for row in rows}) > 1]
-
-
-def table(rows: Sequence[RunRow]) -> tuple[list[str], list[list[str]]]:
-    """The header and the cells: the fixed columns, then one column per config key that differs."""
-    keys = differing_keys(rows) if len(rows) > 1 else []
-    return HEADER + keys, [row.cells() + [row.config.get(key, "-") for key in keys] for row in rows]
+def table(runs: Sequence[tuple[list[str], dict[str, str]]]) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows: ``HEADER``'s columns, then one per config key whose value is not the same in every run
+    (a missing key counts as a value)."""
+    keys = sorted({key for _, config in runs for key in config} - _IGNORED_KEYS) if len(runs) > 1 else []
+    keys = [key for key in keys if len({config.get(key, "-") for _, config in runs}) > 1]
+    return HEADER + keys, [cells + [config.get(key, "-") for key in keys] for cells, config in runs]
 
 
 def format_table(header: list[str], cells: list[list[str]], max_width: int = 60) -> str:
@@ -246,25 +182,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: '{root}' is not a folder; pass the folder that holds lightning_logs/", file=sys.stderr)
         sys.exit(2)
     base = root / LOGS if (root / LOGS).is_dir() else root
-    rows = [read_run(folder, base) for folder in find_runs(root)]
-    if not rows:
+    runs = [read_run(folder, base) for folder in find_runs(root)]
+    if not runs:
         print(f"No runs under '{base}' (a run folder holds config.yaml, metrics.csv or provenance.json)")
         return
-    header, cells = table(rows)
-    print(format_table(header, cells))
+    header, rows = table(runs)
+    print(format_table(header, rows))
     if args.csv:
         text = io.StringIO(newline="")
-        writer = csv.writer(text)
-        writer.writerows([header, *cells])
-        _write_csv(args.csv, text.getvalue())
+        csv.writer(text).writerows([header, *rows])
+        # Imported here: they import torch, which reading the runs does not need.
+        from template.engine.errors import disk_errors
+        from template.engine.store import atomic_write
+
+        # Atomically: a kill or a full disk leaves the previous file (a failure of the disk is one line, exit 3).
+        with disk_errors(args.csv, kept="the table is printed above", option="--csv"):
+            atomic_write(args.csv, lambda f: f.write(text.getvalue().encode()))
         print(f"Wrote {args.csv}")
-
-
-def _write_csv(path: str, text: str) -> None:
-    """Atomically: a kill or a full disk leaves the previous file (a failure of the disk is one line, exit 3)."""
-    # Imported here: they import torch, which reading the runs does not need.
-    from template.engine.errors import disk_errors
-    from template.engine.store import atomic_write
-
-    with disk_errors(path, kept="the table is printed above", option="--csv"):
-        atomic_write(path, lambda f: f.write(text.encode()))
