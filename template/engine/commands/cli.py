@@ -1,24 +1,25 @@
-"""Command line: LightningCLI with the project's defaults, and mistakes reported in one line.
+"""The command line: LightningCLI with the project's defaults, and ``main``, where every failure is reported.
 
-What the command line adds to a run is listed, in order, in ``engine/wiring.py``; this module only calls it from
-LightningCLI's documented hooks.
+What the command line adds to a Trainer is in ``wiring.py``; this module calls it from LightningCLI's hooks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib
 import inspect
 import logging
+import pkgutil
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
@@ -28,14 +29,11 @@ from typing_extensions import override
 import template
 from template.engine import internals
 from template.engine.commands import preflight, wiring
-from template.engine.commands import preflight as config_files
 from template.engine.commands.wiring import PredictionWriter, evaluate_best
 from template.engine.errors import (
     TRACEBACK_VARIABLE,
+    ConfigError,
     blame,
-    config_error_in,
-    disk_error_in,
-    explain_parser_error,
     explain_trainer_error,
     full_traceback,
     one_line,
@@ -141,17 +139,12 @@ class DescribedTrainer(Trainer):
 
 
 class ArgumentParser(LightningArgumentParser):
-    """Reports a bad option or value as one ``error:`` line instead of usage text."""
+    """Raises what it refuses (``main`` reports it in one line), and dumps a config without validating it again:
+    the parse validated it, and ``settle`` adds only the engine's own values."""
 
-    @override
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:
-            super().error(message, ex)
-        print(f"error: {explain_parser_error(message)}", file=sys.stderr)
-        self.exit(2)
+    def __init__(self, *args: Any, exit_on_error: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, exit_on_error=exit_on_error, **kwargs)
 
-    # A run dumps its parsed config twice (Lightning's hyper-parameters, config.yaml), each time validating it again
-    # by default: ~30 ms each here, two thirds of a dump. The parse validated it; settle() adds only the engine's own.
     @override
     def dump(self, *args: Any, skip_validation: bool = True, **kwargs: Any) -> str:
         return super().dump(*args, skip_validation=skip_validation, **kwargs)
@@ -164,9 +157,10 @@ class ArgumentParser(LightningArgumentParser):
 class CLI(LightningCLI):
     """The project's command line: ``python -m <package> {fit,validate,test,predict} --config configs/x.yaml``."""
 
+    fit_run: Run | None = None  # what a fit continues (continuation.continue_run), found once by the parse
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # The subcommand the command line names, if it names one first: only its parser is built (LightningCLI
-        # builds a full parser for each of the four, three of them unused, a third of a second each here).
+        # Only the parser of the subcommand the command line names first is built, not all four.
         argv = kwargs.get("args")
         argv = sys.argv[1:] if argv is None else argv
         first = argv[0] if isinstance(argv, (list, tuple)) and argv else None
@@ -204,13 +198,9 @@ class CLI(LightningCLI):
             help="Experiment trackers (Lightning loggers, e.g. configs/mlflow.yaml) logging beside the CSV and "
             "TensorBoard logs",
         )
+        # The example's classes; any LightningModule and LightningDataModule replace them by class_path.
         parser.set_defaults(
-            {
-                # The example; any LightningModule and LightningDataModule replace them by class_path.
-                **EXAMPLE_DEFAULTS,
-                "checkpoint.save_last": True,
-                "checkpoint.auto_insert_metric_name": False,
-            }
+            {**EXAMPLE_DEFAULTS, "checkpoint.save_last": True, "checkpoint.auto_insert_metric_name": False}
         )
         # The data knows its shapes: networks and metrics get them from it instead of hard-coding them. jsonargparse
         # applies a link only where the chosen model (and its `net`) has the argument.
@@ -222,19 +212,15 @@ class CLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        # jsonargparse reports broken YAML without saying which file; name it first.
-        args_list = sys.argv[1:] if args is None else list(args) if not isinstance(args, (dict, Namespace)) else []
-        configs, options = config_files.split(args_list)
-        files = {value: config_files.read(value) for value in configs}
+        argv = sys.argv[1:] if args is None else [] if isinstance(args, (dict, Namespace)) else list(args)
+        files = {value: preflight.read(value) for value in preflight.split(argv)[0]}  # a broken file, by its name
         print_config = internals.print_config_action()
-        # --print_config prints below, once the configuration is what the run will use.
-        with print_config.skip_print_config():
+        with print_config.skip_print_config():  # printed below, once the config is what the run will use
             # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
             # DataModule would train with the digits' batch_size): with that class as the default it gets its own
-            # signature's defaults and only what the configs set. The classes the configs and options name are made
-            # the defaults before parsing; only where the parse chose others (a class named some other way) is the
-            # command line parsed a second time, with those.
-            named = _named_classes([*files.values()], options) if (subcommand := self._only_subcommand) else {}
+            # signature's defaults and only what the configs set. The classes the command line names are made the
+            # defaults before parsing; only where the parse chose others is the command line parsed again.
+            named = _named_classes(argv, files) if (subcommand := self._only_subcommand) else {}
             if named:
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in named.items()})
             self._parse(parser, args)
@@ -245,8 +231,9 @@ class CLI(LightningCLI):
                     {f"{subcommand}.{key}": chosen.get(key, EXAMPLE_DEFAULTS[key]) for key in {*chosen, *named}}
                 )
                 self._parse(parser, args)
-        config_files.check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
-        settle(self.config[subcommand] if subcommand else self.config, subcommand)
+        config = self.config[subcommand] if subcommand else self.config
+        preflight.check_sections(files, self.sections, config)
+        self.fit_run = settle(config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -256,42 +243,21 @@ class CLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        # Every class the parser builds is built through `self.builds`: a refusal names the option that built it.
-        # Lightning registered its model and data instantiators for these types just before this hook; these replace
-        # them, and the last one takes every other class (jsonargparse's default builds it the same way).
-        self.builds = blame.Builds(self.config[self.subcommand] if self.subcommand else self.config, CALLBACK_SECTIONS)
-        record = self.builds.recording
+        # Every class of the config is built by an Instantiator, so that a refusal names the option that built it.
+        # These replace the model and data instantiators Lightning has just registered; the last takes every other
+        # class (built as jsonargparse's default builds it).
+        config = self.config[self.subcommand] if self.subcommand else self.config
+
+        def instantiator(wrapped: Callable[..., Any] | None = None) -> blame.Instantiator:
+            return blame.Instantiator(config, CALLBACK_SECTIONS, wrapped)
+
         # Lightning's model instantiator records every link in the hyper-parameters, also links jsonargparse did not
         # apply because a user's module has no such argument, and load_from_checkpoint then fails on a missing `net`.
-        self.parser.add_instantiator(record(_AppliedLinksOnly(cli=self, key="model")), LightningModule, subclasses=True)
+        model = _AppliedLinksOnly(cli=self, key="model")
+        self.parser.add_instantiator(instantiator(model), LightningModule, subclasses=True)
         data = internals.instantiator_class()(cli=self, key="data")
-        self.parser.add_instantiator(record(data), LightningDataModule, subclasses=True)
-        self.parser.add_instantiator(record(), object, subclasses=True)
-
-    @override
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-            return
-        except Exception as err:
-            # jsonargparse wraps a ConfigError raised by a model or DataModule constructor in its own message.
-            cause = config_error_in(err)
-            if cause is not None:
-                raise cause from None
-            # A value a library refused while the parser built a class of the config (dropout=1.5, mode=maximum), or
-            # a package it needs that is missing (a tracker's extra): one line naming the option that built it.
-            built = self.builds.failure(err)
-            config = self.config[self.subcommand] if self.subcommand else self.config
-            values = built.values if built is not None else blame.leaves(config, "")
-            refused = blame.refusal(err, built.option if built is not None else "the configuration", values)
-            if refused is not None:
-                raise refused from None
-            # The user's own class refused its values: their exception and traceback, after a line naming the option.
-            own = blame.users_exception(err) if built is not None else None
-            if own is None:
-                raise
-        # Raised outside the except block, the user's exception is not chained to jsonargparse's wrapper around it.
-        raise own
+        self.parser.add_instantiator(instantiator(data), LightningDataModule, subclasses=True)
+        self.parser.add_instantiator(instantiator(), object, subclasses=True)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -299,7 +265,7 @@ class CLI(LightningCLI):
         config = self.config[subcommand] if subcommand else self.config
         built = self.config_init[subcommand] if subcommand else self.config_init
         trainer_config = built.get("trainer") or {}
-        run = continue_run(config) if subcommand == "fit" else Run(None, None, None, resume=False)
+        run = self.fit_run or Run(None, None, None, resume=False)
         kwargs = {
             **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
@@ -311,19 +277,21 @@ class CLI(LightningCLI):
                 config.get("checkpoint.monitor"),
                 config.get("ema"),
                 built.get("trackers"),
-            ),  # fmt: skip
+            ),
             **run_folder_arguments(run.directory, trainer_config, built.get("checkpoint")),
             **kwargs,
         }
-
-        def build() -> Trainer:
+        try:
             wiring.check_devices(trainer_config)
-            trainer = super(CLI, self).instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
             wiring.after_trainer(trainer, built.get("float32_matmul_precision"), trainer_config.get("callbacks"))
-            rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
-            return trainer
-
-        return wiring.trainer_errors_as_config_errors(build, trainer_config)
+        except (MisconfigurationException, ValueError, TypeError) as err:
+            if isinstance(err, TypeError) and "devices" not in str(err):
+                raise
+            # Lightning's complaint about the Trainer's arguments, said here where their values are known.
+            raise ConfigError(explain_trainer_error(one_line(err), trainer_config.get("devices"))) from None
+        rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
+        return trainer
 
     def before_fit(self) -> None:
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
@@ -367,10 +335,9 @@ class CLI(LightningCLI):
             rank_zero_info(line)
 
 
-def settle(config: Any, subcommand: str | None) -> None:
-    """Make the subcommand's parsed config (in place) what the run will use; checkpoint paths are validated before
-    anything reads them. Printed by --print_config and saved as config.yaml, so both show what the run uses.
-    """
+def settle(config: Any, subcommand: str | None) -> Run | None:
+    """Make the subcommand's parsed config (in place) what the run will use, as --print_config prints it and
+    config.yaml saves it; the checkpoint is validated before anything reads it. For fit, the run it continues."""
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
         config["checkpoint.monitor"] = EXAMPLE_MONITOR["checkpoint.monitor"]
         if config.get("checkpoint.mode") == "min":  # ModelCheckpoint's default; a value of the user's stays theirs
@@ -388,14 +355,15 @@ def settle(config: Any, subcommand: str | None) -> None:
         config["ckpt_path"] = ckpt_path = newest_under(root, config.get("checkpoint.dirpath"))
         rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
-        # First: LightningCLI reads the file right after this hook, and a named run describes it.
-        checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))
-    if subcommand == "fit":
-        # The run's folder, and its newest checkpoint when the same command is started again.
-        run = continue_run(config)
-        config["ckpt_path"] = run.ckpt_path
-        if (line := run.describe()) is not None:
-            rank_zero_info(line)
+        checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
+    if subcommand != "fit":
+        return None
+    # The run's folder, and its newest checkpoint when the same command is started again.
+    run = continue_run(config)
+    config["ckpt_path"] = run.ckpt_path
+    if (line := run.describe()) is not None:
+        rank_zero_info(line)
+    return run
 
 
 def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
@@ -418,49 +386,32 @@ def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
 
 
 def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
-    """The model and data classes a config names other than the example's, as parser defaults."""
+    """The model and data classes a parsed config names other than the example's, as parser defaults."""
     return {
         key: {"class_path": path}
-        for key in ("model", "data")
+        for key in EXAMPLE
         if (path := config.get(f"{key}.class_path")) is not None and path != EXAMPLE[key]
     }
 
 
-def _named_classes(files: list[dict[str, Any]], options: list[str]) -> dict[str, dict[str, str]]:
-    """The model and data classes other than the example's that the config files, then the other options on the
-    command line, name by an importable ``class_path`` (the last one naming each wins), as parser defaults; a best
-    guess, which the parse confirms."""
+def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The model and data classes other than the example's that the command line names by an importable class
+    path, in a config file (``files``: each one's options) or by ``--model``/``--data``, the last naming each
+    winning, as parser defaults: a guess, which the parse confirms."""
     named: dict[str, Any] = {}
-    for content in files:
-        for key in EXAMPLE:
-            section = content.get(key)
-            if isinstance(section, dict) and "class_path" in section:
-                named[key] = section["class_path"]
-            elif isinstance(section, str) or (section is None and key in content):
-                named[key] = section
-    for i, arg in enumerate(options):
-        option, equals, value = arg.partition("=")
-        if not equals and i + 1 < len(options):
-            value = options[i + 1]
-        for key in EXAMPLE:
-            if option in (f"--{key}", f"--{key}.class_path"):
-                named[key] = value
+    options = [f"--{key}{end}" for key in EXAMPLE for end in ("", ".class_path")]
+    for option, value in preflight.split_options(argv, *preflight.CONFIG_OPTIONS, *options)[0]:
+        if option not in preflight.CONFIG_OPTIONS:
+            named[option[2:].split(".")[0]] = value
+            continue
+        for key, section in files[value].items():
+            if key in EXAMPLE and (section is None or isinstance(section, (str, dict))):  # null: the example's again
+                named[key] = section.get("class_path", named.get(key)) if isinstance(section, dict) else section
     return {
         key: {"class_path": path}
         for key, path in named.items()
-        if isinstance(path, str) and path != EXAMPLE[key] and _is_class(path)
+        if isinstance(path, str) and path != EXAMPLE[key] and inspect.isclass(blame.located(path))
     }
-
-
-def _is_class(path: str) -> bool:
-    """Whether ``path`` (``package.module.Class``) names a class that imports."""
-    module, _, name = path.rpartition(".")
-    if not module or not name.isidentifier():
-        return False
-    try:
-        return inspect.isclass(getattr(importlib.import_module(module), name, None))
-    except Exception:
-        return False  # the parse reports it
 
 
 class _AppliedLinksOnly(internals.instantiator_class()):
@@ -482,10 +433,8 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
 
 
 class _attribute:  # noqa: N801 - used like a function in the links above
-    """A link function reading ``name`` from the data module, or None when it has no such attribute.
-
-    A class rather than a closure: ``ddp_spawn`` pickles the model, whose hyper-parameters hold the links.
-    """
+    """A link function reading ``name`` from the data module (None when it has none). A class, not a closure:
+    ``ddp_spawn`` pickles the model, whose hyper-parameters hold the links."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -493,6 +442,27 @@ class _attribute:  # noqa: N801 - used like a function in the links above
     def __call__(self, data: LightningDataModule) -> Any:
         value = getattr(data, self.name, None)
         return list(value) if isinstance(value, tuple) else value
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """Library warnings and tips that are nothing for the user to act on, silenced while the command runs."""
+    advertisement, rank_zero = _NoAdvertisement(), logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero.addFilter(advertisement)
+    try:
+        with warnings.catch_warnings():
+            # Lightning trips over its own deprecation in torch's pytree; torchdata's StatefulDataLoader calls a
+            # torch API that torch deprecated; evaluating a checkpoint logs into a new version folder, and Lightning
+            # warns that the old folder is not reused.
+            for message in (
+                r".*isinstance\(treespec, LeafSpec\)",
+                r"'set_vital' is deprecated",
+                "The dirpath has changed from",
+            ):
+                warnings.filterwarnings("ignore", message=message)
+            yield
+    finally:
+        rank_zero.removeFilter(advertisement)
 
 
 class _NoAdvertisement(logging.Filter):
@@ -504,9 +474,7 @@ class _NoAdvertisement(logging.Filter):
 
 def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI) -> CLI:
     """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path."""
-    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _NoAdvertisement) for f in rank_zero_log.filters):
-        rank_zero_log.addFilter(_NoAdvertisement())
+    plain = "; ".join(f"{name}: {c.description}" for name, c in COMMANDS.items() if c.runs is not None)
     return cli_class(
         LightningModule,
         LightningDataModule,
@@ -518,70 +486,57 @@ def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[C
         # A restart of the same run keeps its config.yaml instead of refusing to start.
         save_config_callback=RunConfigCallback,
         trainer_class=DescribedTrainer,
-        parser_kwargs={"prog": PROGRAM, "description": _plain_commands_help()},
+        parser_kwargs={"prog": PROGRAM, "description": f"Also: {plain}. Each subcommand has its own --help."},
         args=args,
         run=run,
     )
 
 
-def _plain_commands_help() -> str | None:
-    plain = {name: c for name, c in COMMANDS.items() if c.runs is not None}
-    if not plain:
-        return None
-    listed = "; ".join(f"{name}: {c.description}" for name, c in plain.items())
-    return f"Also: {listed}. Each subcommand has its own --help."
-
-
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``python -m <package>`` and of the console script of the same name."""
-    # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    # Evaluating a checkpoint logs into a new version folder; Lightning warns that the old folder is not reused.
-    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
-    # torchdata's StatefulDataLoader calls a torch API that torch deprecated; nothing for the user to change.
-    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
+    """Entry point of ``python -m <package>`` and of the console script of the same name. Every failure is reported
+    here: one ``error:`` line and its exit code (``blame.verdict``), or the user's exception with its traceback."""
     argv = sys.argv[1:] if args is None else list(args)
+    own: BaseException | None = None
     try:
-        command = COMMANDS.get(argv[0]) if argv else None
-        if command is not None and command.runs is not None:
-            # A command of its own: no LightningCLI (sweep starts fit processes).
-            module, function = command.runs.split(":")
-            code = getattr(importlib.import_module(module), function)(argv[1:])
-            if code:
+        with _quiet_libraries():
+            command = COMMANDS.get(argv[0]) if argv else None
+            if command is None or command.runs is None:
+                build_cli(argv)
+            elif code := pkgutil.resolve_name(command.runs)(argv[1:]):  # a command of its own, without LightningCLI
                 sys.exit(code)
-            return
-        build_cli(args)
     except Exception as err:
-        code, line = _verdict(err)
-        if code is None:
-            # The user's code, another library or the engine: the traceback is the report. Say first whose code it is.
-            blame.print_user_code_line(err)
+        own = _report(err)
+        if own is err:
             raise
-        if code in (2, 3):
-            # A mistake or the disk: a folder this command created is removed again, unless training had started.
-            discard_unstarted()
-        if full_traceback():
-            traceback.print_exc()
-        print(f"error: {line}", file=sys.stderr)
-        sys.exit(code)
     finally:
         release()
         if args is not None:
             # Called from Python, which goes on. Run as the program (argv), the process ends with the command: the
             # run's handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.
             restore_signal_handlers()
+    if own is not None:
+        raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 
 
-def _verdict(err: Exception) -> tuple[int | None, str]:
-    """The exit code and the one line for a mistake (2), a failure of the disk (3) or a rank of the job that died
-    (128 + its signal, or its exit code); (None, "") for anything else."""
-    if (config := config_error_in(err)) is not None:
-        return 2, str(config)
-    if (disk := disk_error_in(err)) is not None:
-        return 3, str(disk)
-    if (dead := dead_rank(err)) is not None:
-        return dead.exit_code, f"{dead.line()} ({TRACEBACK_VARIABLE}=1 shows this rank's traceback)"
-    if blame.user_function_calling(err) is None and blame.refused_by(err, package="lightning") is not None:
-        # Lightning alone refused a Trainer setting when it met the data (val_check_interval above an epoch's batches).
-        return 2, explain_trainer_error(one_line(blame.root_cause(err)))
-    return None, ""
+def _report(err: Exception) -> BaseException:
+    """A mistake (2), the disk (3) or a dead rank: its line, and the process ends with its exit code. Else the line
+    naming the user's function that raised, and the exception to raise with its traceback."""
+    found = blame.verdict(err, dead=_dead_rank)
+    if found is None:
+        blame.print_user_code_line(err)
+        return blame.users_exception(err)
+    code, line = found
+    if code in (2, 3):
+        discard_unstarted()  # a folder this command created is removed again, unless training had started
+    if full_traceback():
+        traceback.print_exception(err)
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _dead_rank(err: BaseException) -> tuple[int, str] | None:
+    """The exit code and the line for the rank of the job whose death made this process fail with ``err``."""
+    dead = dead_rank(err)
+    if dead is None:
+        return None
+    return dead.exit_code, f"{dead.line()} ({TRACEBACK_VARIABLE}=1 shows this rank's traceback)"

@@ -16,9 +16,9 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -92,10 +92,10 @@ def export(checkpoint_path: str | os.PathLike, output: str | os.PathLike, prefix
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse reporting a mistake as one ``error:`` line (through ``cli.main``), not usage text."""
+    """argparse raising what it refuses (``cli.main`` reports it in one line) instead of printing usage and exiting."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
+    def error(self, message: str) -> NoReturn:
+        raise argparse.ArgumentError(None, f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
 
 
 class FitConfig(CLI):
@@ -128,14 +128,11 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         raise ConfigError(f"'{checkpoint_path}' does not fit the config's model: {one_line(str(err))[:300]}") from None
     target = (cli.model if module else cli.model.get_submodule(prefix.rstrip("."))).cpu().eval()
     x = _example_input(cli.datamodule).cpu()
-    quiet = io.StringIO()  # torch.export prints its graphs when it fails, and warns of torchvision's operators
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        warnings.simplefilter("ignore")
-        try:
+    try:
+        with _quiet():
             program = torch.onnx.export(target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"])
-        except torch.onnx.OnnxExporterError as err:
-            raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
+    except torch.onnx.OnnxExporterError as err:
+        raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
     temporary = output.with_name(f".{output.name}.export")
     with disk_errors(output, kept="nothing was written at --output", option="--output"):
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +148,20 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         finally:
             temporary.unlink(missing_ok=True)
     return f"checked in ONNX Runtime on batches of {len(x)} and 1: |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export's output silenced: it prints its graphs when it fails, and warns of torchvision's operators."""
+    logger, quiet = logging.getLogger("torch"), io.StringIO()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _example_input(datamodule: LightningDataModule) -> Tensor:

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
-from template.engine.errors import ConfigError, explain_trainer_error, one_line
+from template.engine.errors import ConfigError
 from template.engine.internals import skip_idle_step_hooks
 from template.engine.jobs.preemption import Preemption
 from template.engine.jobs.watchdog import HangWatchdog
@@ -126,22 +125,6 @@ def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: An
     for callback in trainer.callbacks:
         if isinstance(callback, HangWatchdog):
             callback.arm(trainer)
-
-
-def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config: dict[str, Any]) -> Trainer:
-    """``build()`` (the checks above, the Trainer, ``after_trainer``), with Lightning's complaints about the Trainer
-    settings turned into one-line ConfigErrors."""
-    try:
-        return build()
-    except (MisconfigurationException, ValueError) as err:
-        raise ConfigError(explain_trainer_error(one_line(err))) from None
-    except TypeError as err:
-        if "devices" not in str(err):
-            raise
-        raise ConfigError(
-            f"trainer.devices={trainer_config.get('devices')!r} is not valid on the CPU: CPU devices are a number "
-            "of processes (>= 1), not indices; set e.g. --trainer.devices=2"
-        ) from None
 
 
 def _monitors(checkpoint_monitor: str | None, configured: list[Any]) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""Whose an exception is: a value a library refused (the configuration's, one line), or the user's own code (theirs
-to debug, with its traceback and a line naming their function that raised).
+"""Whose an exception is, and so how it is reported (``verdict``): a mistake in the configuration (one line), the
+disk's (one line), or the user's own code (their traceback, after a line naming their function that raised).
 
 A frame is the user's when its file is outside the Python installation and its packages, and outside this engine:
 the model, data and networks at the top of the package, or any module a config names by ``class_path``.
@@ -10,18 +10,28 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import pkgutil
 import re
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
+from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from template.engine.errors import ConfigError, chain, one_line
+from template.engine.errors import (
+    ConfigError,
+    chain,
+    config_error_in,
+    disk_error_in,
+    explain_trainer_error,
+    one_line,
+    parser_error,
+)
 
 _ENGINE = str(Path(__file__).resolve().parents[1])
 _INSTALLED = tuple(
@@ -30,6 +40,28 @@ _INSTALLED = tuple(
 # The exceptions a library raises when a value it was given is out of its range, of the wrong kind, or needs a
 # package that is not installed. Anything else (a RuntimeError from a kernel, a KeyError...) is not blamed on a value.
 REFUSALS = (ValueError, TypeError, ImportError, AssertionError, ArithmeticError, MisconfigurationException)
+
+
+def verdict(
+    err: BaseException, dead: Callable[[BaseException], tuple[int, str] | None] | None = None
+) -> tuple[int, str] | None:
+    """The exit code and the one line for ``err``; None for an exception of the user's code (or a bug), whose
+    traceback is the report.
+
+    2: the parser's refusal, a ConfigError, a value a library refused while the parser built a class of the config,
+    or Lightning alone refusing a Trainer setting; 3: the disk; ``dead``: its answer for a rank of the job that died.
+    """
+    mistake = parser_error(err) if isinstance(err, ArgumentError) else config_error_in(err) or _refused_building(err)
+    if mistake is not None:
+        return 2, str(mistake)
+    if (disk := disk_error_in(err)) is not None:
+        return 3, str(disk)
+    if dead is not None and (found := dead(err)) is not None:
+        return found
+    if user_function_calling(err) is None and refused_by(err, package="lightning") is not None:
+        # Lightning alone refused a Trainer setting when it met the data (val_check_interval above an epoch's batches).
+        return 2, explain_trainer_error(one_line(root_cause(err)))
+    return None
 
 
 def is_user_file(filename: str) -> bool:
@@ -48,58 +80,54 @@ def root_cause(err: BaseException) -> BaseException:
     return first
 
 
-def _frames(tb: TracebackType | None) -> Iterator[tuple[Any, int]]:
+def _frames(tb: TracebackType | None) -> Iterator[tuple[FrameType, int]]:
     while tb is not None:
         yield tb.tb_frame, tb.tb_lineno
         tb = tb.tb_next
 
 
+def _users(frame: FrameType) -> bool:
+    return is_user_file(frame.f_code.co_filename)
+
+
 def raised_in_user_code(err: BaseException) -> str | None:
-    """``Class.function (file:line)`` of the innermost frame of the user's code that ``err``'s root cause passed
-    through, when the exception was raised there (and not by a library the user's code called); else None."""
+    """``Class.function (file:line)`` of the user's frame that raised ``err``'s root cause itself; else None."""
     frames = list(_frames(root_cause(err).__traceback__))
-    if not frames or not is_user_file(frames[-1][0].f_code.co_filename):
-        return None
-    return _where(*frames[-1])
+    return _where(*frames[-1]) if frames and _users(frames[-1][0]) else None
 
 
 def user_function_calling(err: BaseException) -> str | None:
     """``Class.function (file:line)`` of the innermost frame of the user's code in ``err``'s root cause, or None."""
-    user = [f for f in _frames(root_cause(err).__traceback__) if is_user_file(f[0].f_code.co_filename)]
+    user = [f for f in _frames(root_cause(err).__traceback__) if _users(f[0])]
     return _where(*user[-1]) if user else None
 
 
-def _where(frame: Any, line: int) -> str:
+def _where(frame: FrameType, line: int) -> str:
     code = frame.f_code
-    name = getattr(code, "co_qualname", code.co_name)
     filename = code.co_filename
     with contextlib.suppress(ValueError):  # another drive on Windows
         relative = os.path.relpath(filename)
         filename = filename if relative.startswith("..") else relative
-    return f"{name} ({filename}:{line})"
+    return f"{getattr(code, 'co_qualname', code.co_name)} ({filename}:{line})"
 
 
 def refused_by(err: BaseException, package: str | None = None, building: bool = False) -> str | None:
     """The library class (or function) that refused a value, for an exception a library (``package`` if given)
-    raised; None otherwise.
-
-    ``building``: ``err`` came from building the config's objects, so any exception of a library that no code of
-    the user's called (a RuntimeError for a negative size too) is the values' fault.
-    """
+    raised; None otherwise. ``building``: ``err`` came from building the config's objects, so any exception of a
+    library that no code of the user's called (a RuntimeError for a negative size too) is the values' fault."""
     cause = root_cause(err)
     frames = list(_frames(cause.__traceback__))
-    own = any(is_user_file(frame.f_code.co_filename) for frame, _ in frames)
+    own = any(_users(frame) for frame, _ in frames)
     if not isinstance(cause, REFUSALS) and not (building and not own):
         return None
     # A missing package is the environment's wherever the import is; other exceptions from the user's code are theirs.
-    if not frames or (is_user_file(frames[-1][0].f_code.co_filename) and not isinstance(cause, ImportError)):
+    if not frames or (_users(frames[-1][0]) and not isinstance(cause, ImportError)):
         return None
     if package is not None and not frames[-1][0].f_globals.get("__name__", "").startswith(f"{package}."):
         return None
-    # The outermost library frame below the user's or the engine's code names the class the value was given to.
-    for frame, _ in frames:
-        if is_user_file(frame.f_code.co_filename) or frame.f_code.co_filename.startswith(_ENGINE):
-            continue
+    # The outermost library frame below the user's and the engine's code names the class the value was given to.
+    ours = [i for i, (frame, _) in enumerate(frames) if _users(frame) or frame.f_code.co_filename.startswith(_ENGINE)]
+    for frame, _ in frames[ours[-1] + 1 if ours else 0 :]:
         owner = frame.f_locals.get("self")
         if owner is not None and frame.f_code.co_name == "__init__":
             return f"{type(owner).__module__}.{type(owner).__qualname__}"
@@ -114,41 +142,44 @@ def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError
     if library is None:
         return None
     cause = root_cause(err)
-    reason = one_line(str(cause)).rstrip(".") or type(cause).__name__
+    reason = one_line(cause).rstrip(".") or type(cause).__name__
     if isinstance(cause, ImportError):
+        missing = reason.split(". HINT")[0]
         return ConfigError(
-            f"{key} ({library}) needs a package that is not installed ({reason.split('. HINT')[0]}); "
-            f"{install_hint(cause)}"
+            f"{key} ({library}) needs a package that is not installed ({missing}); {install_hint(cause)}"
         )
-    named = _options_named_in(reason, values)
-    if named:
+    if named := _named_in(reason, values):
         option = " and ".join(f"{name}={values[name]!r}" for name in named)
         return ConfigError(f"{option} refused by {library}: {reason}; set a value it accepts")
     caller = user_function_calling(err)
     where = f", called from {caller}" if caller else ""
-    given = ", ".join(f"{k.rsplit('.', 1)[-1]}={v!r}" for k, v in values.items() if v is not None)[:300]
-    given = f" (given: {given})" if given and len(values) <= 12 else ""
-    return ConfigError(
-        f"{key} could not be built: {library} refused its arguments ({reason}{where}); fix the values under "
-        f"{key}{given}"
-    )
+    given = f" (given: {_given(values)})" if _given(values) and len(values) <= 12 else ""
+    fix = f"fix the values under {key}{given}"
+    return ConfigError(f"{key} could not be built: {library} refused its arguments ({reason}{where}); {fix}")
 
 
-def _options_named_in(reason: str, values: dict[str, Any]) -> list[str]:
-    """The options whose value the reason quotes; among several, those whose name it mentions too. None when the
-    reason gives a value to a name (``save_top_k=-2``) that is not among them: a value quoted elsewhere in it (``>=
-    -1``) is then a coincidence.
+def _given(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={v!r}" for k, v in values.items() if v is not None)[:300]
 
-    Read from the library's message because nothing else says it: the parser knows which object it was building
-    and with which arguments (``Builds``), not which of them the constructor refused.
-    """
+
+def _named_in(reason: str, values: dict[str, Any]) -> list[str]:
+    """The options whose value the library's message quotes, read from it because nothing else says which argument
+    a constructor refused. Among several, those whose name it mentions too; none when it gives a value to a name
+    that is not among them (``save_top_k=-2`` quoting ``>= -1``: a coincidence). Else the one list option with an
+    element it quotes (``hidden_sizes=[-3]`` for "negative dimension -3")."""
     words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", reason)}  # "-2." at a sentence's end is -2
-    quoted = [k for k, v in values.items() if v is not None and not isinstance(v, bool) and str(v) in words]
-    mentioned = [k for k in quoted if k.rsplit(".", 1)[-1].lower() in reason.lower()]
-    if mentioned or len(quoted) > 1:
+
+    def quoted(value: Any) -> bool:
+        return value is not None and not isinstance(value, bool) and str(value) in words
+
+    scalars = [k for k, v in values.items() if quoted(v)]
+    mentioned = [k for k in scalars if k.rsplit(".", 1)[-1].lower() in reason.lower()]
+    if mentioned or len(scalars) > 1:
         return mentioned
-    assigned = set(re.findall(r"([A-Za-z_]\w*)\s*=", reason))
-    return [] if assigned else quoted
+    if scalars and not re.search(r"[A-Za-z_]\w*\s*=", reason):
+        return scalars
+    lists = [k for k, v in values.items() if isinstance(v, (list, tuple)) and any(map(quoted, v))]
+    return lists if len(lists) == 1 else []
 
 
 def install_hint(err: ImportError) -> str:
@@ -158,8 +189,8 @@ def install_hint(err: ImportError) -> str:
     missing = (match.group(1) if match else getattr(err, "name", None) or "").split(".")[0]
     if not missing:
         return "install the package it names"
-    own = _own_distribution()
-    if own is not None:
+    package = __name__.split(".")[0]
+    for own in importlib.metadata.packages_distributions().get(package, [])[:1]:
         for requirement in importlib.metadata.requires(own) or []:
             extra = re.search(r"""extra\s*==\s*["']([\w-]+)["']""", requirement)
             name = re.split(r"[\s;<>=!~\[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
@@ -168,10 +199,25 @@ def install_hint(err: ImportError) -> str:
     return f"install it: pip install {missing}"
 
 
-def _own_distribution() -> str | None:
-    package = __name__.split(".")[0]
-    names = importlib.metadata.packages_distributions().get(package, [])
-    return names[0] if names else None
+def located(path: str) -> Any:
+    """The object a class path (``package.module.Name``) names; None when it does not import."""
+    try:
+        return pkgutil.resolve_name(path)
+    except Exception:  # not a name, a missing module, or a module that fails to import: the parse reports it
+        return None
+
+
+def flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A parsed config's options as ``prefix`` + ``a.b`` -> value; the classes in a list (``trainer.callbacks``) as
+    ``trainer.callbacks[0].init_args.a`` (jsonargparse's ``items()`` flattens the rest)."""
+    found: dict[str, Any] = {}
+    for key, value in config.items() if config is not None else ():
+        if isinstance(value, list) and value and all(hasattr(item, "items") for item in value):
+            for i, item in enumerate(value):
+                found.update(flat(item, f"{prefix}{key}[{i}]."))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
 
 
 def _plain(value: Any) -> bool:
@@ -180,39 +226,10 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def leaves(config: Any, prefix: str) -> dict[str, Any]:
-    """Every option under a parsed config's ``prefix`` section as ``prefix.a.b`` -> value (the classes in a list
-    such as ``trainer.callbacks`` as ``trainer.callbacks[0].init_args.a``)."""
-    flat = dict(_flattened(config))
-    if not prefix:
-        return flat
-    return {key: value for key, value in flat.items() if key == prefix or key.startswith(f"{prefix}.")}
-
-
-def _flattened(section: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if not hasattr(section, "items"):
-        return
-    for key, value in section.items():
-        if isinstance(value, list) and value and all(hasattr(item, "items") for item in value):
-            for i, item in enumerate(value):
-                yield from _flattened(item, f"{prefix}{key}[{i}].")
-        else:
-            yield f"{prefix}{key}", value
-
-
-def users_exception(err: BaseException) -> BaseException | None:
-    """The outermost exception of ``err``'s chain whose traceback passes through the user's code: theirs, below the
-    libraries' wrappers (jsonargparse's "Does not validate against any of the Union subtypes"); None for none."""
-    for cause in chain(err):
-        if any(is_user_file(frame.f_code.co_filename) for frame, _ in _frames(cause.__traceback__)):
-            return cause
-    return None
-
-
 @dataclass(frozen=True)
 class Build:
     """A class the parser was building when it raised: the option naming it, its class path (None for a section of
-    its own such as ``checkpoint``), and the plain values the parser gave it as ``option.init_args.name`` -> value
+    its own such as ``checkpoint``), and the plain values it was given as ``option.init_args.name`` -> value
     (``option.name`` for a section), the ones jsonargparse linked in (``input_shape`` from the data) included."""
 
     option: str
@@ -220,111 +237,82 @@ class Build:
     values: dict[str, Any]
 
 
-class Builds:
-    """The objects the parser builds from a parsed config, as its instantiator hook reports them: for an exception
-    raised while one was built, the option that built it and the arguments it was given.
+class Instantiator:
+    """The parser's instantiator (``add_instantiator``) for the classes of ``config``: builds each as
+    ``instantiator`` does (None: jsonargparse's default, the class called with its arguments). For an exception
+    raised meanwhile, ``built`` finds the call in the traceback and the option it built.
 
     jsonargparse hands an instantiator the class and its arguments, not the option's key. The key is the config's
     option whose ``class_path`` imports as that very class, or the section of its own (``sections``: option ->
     class) built as it; among several (two EarlyStopping callbacks), the one whose values are those arguments.
+    A class, not a closure: ``ddp_spawn`` pickles the model, whose optimizer factory holds the parser's instantiators.
     """
 
-    # The latest command line's: its user-code line is printed after the command line is gone.
-    latest: Builds | None = None
-
-    def __init__(self, config: Any, sections: dict[str, type]) -> None:
-        self.config, self.sections = config, sections
-        self._failed: list[tuple[type, dict[str, Any], BaseException]] = []
-        Builds.latest = self
-
-    def recording(self, instantiator: Callable[..., Any] | None = None) -> Callable[..., Any]:
-        """``instantiator`` (None: jsonargparse's default, the class called with the arguments) for the parser's
-        ``add_instantiator``, reporting here each build that raises."""
-        return _Recording(self, instantiator)
-
-    def failure(self, err: BaseException) -> Build | None:
-        """What the parser was building when ``err``, or an exception it wraps, was raised; None when it was not
-        building a class of the config."""
-        causes = [id(cause) for cause in chain(err)]
-        failed = [(causes.index(id(e)), cls, kwargs) for cls, kwargs, e in self._failed if id(e) in causes]
-        if not failed:
-            return None
-        _, cls, kwargs = max(failed, key=lambda f: f[0])  # the innermost: nearest the root cause
-        return self._built(cls, kwargs)
-
-    def _built(self, cls: type, kwargs: dict[str, Any]) -> Build | None:
-        flat = dict(_flattened(self.config))
-        options = [
-            (key.removesuffix(".class_path"), path, f"{key.removesuffix('class_path')}init_args.")
-            for key, path in flat.items()
-            if key.endswith(".class_path") and isinstance(path, str) and _imported(path) is cls
-        ]
-        options += [(option, None, f"{option}.") for option, section in self.sections.items() if section is cls]
-        builds = [
-            Build(option, path, {f"{prefix}{name}": v for name, v in kwargs.items() if _plain(v)})
-            for option, path, prefix in options
-        ]
-        same = [b for b in builds if all(flat.get(k) is None or flat[k] == v for k, v in b.values.items())]
-        return next(iter(same or builds), None)
-
-
-class _Recording:
-    """An instantiator reporting to ``builds`` each build that raises, with its class and arguments. A class, not a
-    closure: ``ddp_spawn`` pickles the model, whose optimizer factory holds the parser's instantiators."""
-
-    def __init__(self, builds: Builds, instantiator: Callable[..., Any] | None) -> None:
-        self.builds, self.instantiator = builds, instantiator
+    def __init__(self, config: Any, sections: dict[str, type], instantiator: Callable[..., Any] | None = None) -> None:
+        self.config, self.sections, self.instantiator = config, sections, instantiator
 
     def __call__(
         self, class_type: type, *args: Any, applied_instantiation_links: dict | None = None, **kwargs: Any
     ) -> Any:
-        links = applied_instantiation_links or {}
-        try:
-            if self.instantiator is None:
-                return class_type(*args, **kwargs)
-            # The wrapped ones are Lightning's model and data instantiators, which take the links jsonargparse applied.
-            return self.instantiator(class_type, *args, applied_instantiation_links=links, **kwargs)
-        except Exception as err:
-            self.builds._failed.append((class_type, kwargs, err))
-            raise
+        if self.instantiator is None:
+            return class_type(*args, **kwargs)
+        # The wrapped ones are Lightning's model and data instantiators, which take the links jsonargparse applied.
+        return self.instantiator(
+            class_type, *args, applied_instantiation_links=applied_instantiation_links or {}, **kwargs
+        )
+
+    def build(self, cls: type, kwargs: dict[str, Any]) -> Build | None:
+        """The option of the config that builds ``cls`` from ``kwargs``; None for a class the config does not name."""
+        options = flat(self.config)
+        named = [
+            (key.removesuffix(".class_path"), path, f"{key.removesuffix('class_path')}init_args.")
+            for key, path in options.items()
+            if key.endswith(".class_path") and isinstance(path, str) and located(path) is cls
+        ]
+        named += [(option, None, f"{option}.") for option, section in self.sections.items() if section is cls]
+        plain = {name: value for name, value in kwargs.items() if _plain(value)}
+        builds = [Build(option, path, {prefix + k: v for k, v in plain.items()}) for option, path, prefix in named]
+        same = [b for b in builds if all(options.get(k) is None or options[k] == v for k, v in b.values.items())]
+        return next(iter(same or builds), None)
 
 
-def _imported(path: str) -> Any:
-    """The object ``package.module.Name`` names; None when it does not import (the parse has imported it already)."""
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except Exception:
+def _instantiator_call(err: BaseException) -> tuple[FrameType, bool] | None:
+    """The innermost ``Instantiator`` call in the traceback nearest ``err``'s root cause, and whether the user's code
+    made it (an optimizer factory called in ``configure_optimizers``) rather than the parser."""
+    for cause in reversed(list(chain(err))):
+        frames = [frame for frame, _ in _frames(cause.__traceback__)]
+        calls = [i for i, frame in enumerate(frames) if frame.f_code is Instantiator.__call__.__code__]
+        if calls:
+            return frames[calls[-1]], any(_users(frame) for frame in frames[: calls[-1]])
+    return None
+
+
+def built(err: BaseException) -> Build | None:
+    """What the parser was building when ``err``, or an exception it wraps, was raised; None when it was not
+    building a class of the config."""
+    call = _instantiator_call(err)
+    if call is None:
         return None
+    local = call[0].f_locals
+    return local["self"].build(local["class_type"], local["kwargs"])
 
 
-def _built_from(err: BaseException) -> str:
-    """``option=value: `` for the value of the class being built that the exception quotes, else the class and all
-    its values; "" when ``err`` was not raised while the parser built a class of the config."""
-    built = Builds.latest.failure(err) if Builds.latest is not None else None
-    if built is None:
-        return ""
-    reason = one_line(str(root_cause(err)))
-    named = _options_named_in(reason, built.values) or _elements_named_in(reason, built.values)
-    what = f"{built.option} ({built.class_path})" if built.class_path else built.option
-    if named:
-        values = " and ".join(f"{name}={built.values[name]!r:.200}" for name in named)
-        return f"{values} refused while building {what}: "
-    given = ", ".join(f"{k.rsplit('.', 1)[-1]}={v!r}" for k, v in built.values.items() if v is not None)[:300]
-    return f"{what} could not be built from {given or 'its defaults'}: "
+def _refused_building(err: BaseException) -> ConfigError | None:
+    """A value a library refused while the parser built a class of the config (dropout=1.5, mode=maximum), or a
+    package it needs that is missing (a tracker's extra): one line naming the option."""
+    call = _instantiator_call(err)
+    build = built(err) if call is not None and not call[1] else None
+    return refusal(err, build.option, build.values) if build is not None else None
 
 
-def _elements_named_in(reason: str, values: dict[str, Any]) -> list[str]:
-    """The one list option with an element the reason quotes (``hidden_sizes=[-3]`` for "negative dimension -3");
-    from the message, as ``_options_named_in``."""
-    words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", reason)}
-    quoted = [
-        key
-        for key, value in values.items()
-        if isinstance(value, (list, tuple))
-        and any(not isinstance(x, bool) and isinstance(x, (int, float, str)) and str(x) in words for x in value)
-    ]
-    return quoted if len(quoted) == 1 else []
+def users_exception(err: BaseException) -> BaseException:
+    """For an exception the parser wrapped while it built a class of the user's, the user's own (their traceback,
+    without jsonargparse's "Does not validate against any of the Union subtypes" around it); else ``err``."""
+    if built(err) is not None:
+        for cause in chain(err):
+            if any(_users(frame) for frame, _ in _frames(cause.__traceback__)):
+                return cause
+    return err
 
 
 def user_code_line(err: BaseException) -> str | None:
@@ -332,15 +320,24 @@ def user_code_line(err: BaseException) -> str | None:
     caller = user_function_calling(err)
     if caller is None:
         return None
-    name = type(root_cause(err)).__name__
-    built = _built_from(err)
-    if raised_in_user_code(err) is not None:
-        return f"error: {built}{name} raised in your code, {caller}; its traceback follows"
-    return f"error: {built}{name} raised by a library called from your code, {caller}; its traceback follows"
+    how = "raised in your code" if raised_in_user_code(err) else "raised by a library called from your code"
+    return f"error: {_built_from(err)}{type(root_cause(err)).__name__} {how}, {caller}; its traceback follows"
+
+
+def _built_from(err: BaseException) -> str:
+    """``option=value ... refused while building option (class): `` for the values of the class being built that the
+    exception quotes, else the class and all its values; "" when the parser was not building a class of the config."""
+    build = built(err)
+    if build is None:
+        return ""
+    what = f"{build.option} ({build.class_path})" if build.class_path else build.option
+    if named := _named_in(one_line(root_cause(err)), build.values):
+        values = " and ".join(f"{name}={build.values[name]!r:.200}" for name in named)
+        return f"{values} refused while building {what}: "
+    return f"{what} could not be built from {_given(build.values) or 'its defaults'}: "
 
 
 def print_user_code_line(err: BaseException) -> None:
     """Say, before Python prints the traceback, which of the user's functions raised ``err``."""
-    line = user_code_line(err)
-    if line is not None:
+    if (line := user_code_line(err)) is not None:
         print(line, file=sys.stderr, flush=True)
