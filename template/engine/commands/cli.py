@@ -139,11 +139,7 @@ class DescribedTrainer(Trainer):
 
 
 class ArgumentParser(LightningArgumentParser):
-    """Raises what it refuses (``main`` reports it in one line), and dumps a config without validating it again:
-    the parse validated it, and ``settle`` adds only the engine's own values."""
-
-    def __init__(self, *args: Any, exit_on_error: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, exit_on_error=exit_on_error, **kwargs)
+    """Dumps a config without validating it again: the parse validated it, ``settle`` adds only the engine's values."""
 
     @override
     def dump(self, *args: Any, skip_validation: bool = True, **kwargs: Any) -> str:
@@ -178,6 +174,7 @@ class CLI(LightningCLI):
         self.parser_class = ArgumentParser
         # argparse would otherwise take a misspelt prefix (--trainer.max_epoch) silently as the option it abbreviates.
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("exit_on_error", False)  # raise what it refuses: main reports it in one line
         return super().init_parser(**kwargs)
 
     @override
@@ -225,13 +222,13 @@ class CLI(LightningCLI):
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in named.items()})
             self._parse(parser, args)
             subcommand = self.config.get("subcommand")
-            chosen = _chosen_classes(self.config[subcommand] if subcommand else self.config)
+            chosen = _chosen_classes(_of_subcommand(self.config))
             if subcommand and chosen != named:
                 parser.set_defaults(
                     {f"{subcommand}.{key}": chosen.get(key, EXAMPLE_DEFAULTS[key]) for key in {*chosen, *named}}
                 )
                 self._parse(parser, args)
-        config = self.config[subcommand] if subcommand else self.config
+        config = _of_subcommand(self.config)
         preflight.check_sections(files, self.sections, config)
         self.fit_run = settle(config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
@@ -246,7 +243,7 @@ class CLI(LightningCLI):
         # Every class of the config is built by an Instantiator, so that a refusal names the option that built it.
         # These replace the model and data instantiators Lightning has just registered; the last takes every other
         # class (built as jsonargparse's default builds it).
-        config = self.config[self.subcommand] if self.subcommand else self.config
+        config = _of_subcommand(self.config)
 
         def instantiator(wrapped: Callable[..., Any] | None = None) -> blame.Instantiator:
             return blame.Instantiator(config, CALLBACK_SECTIONS, wrapped)
@@ -261,9 +258,7 @@ class CLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        subcommand = self.subcommand or ""
-        config = self.config[subcommand] if subcommand else self.config
-        built = self.config_init[subcommand] if subcommand else self.config_init
+        subcommand, config, built = self.subcommand or "", _of_subcommand(self.config), _of_subcommand(self.config_init)
         trainer_config = built.get("trainer") or {}
         run = self.fit_run or Run(None, None, None, resume=False)
         kwargs = {
@@ -297,8 +292,7 @@ class CLI(LightningCLI):
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.
         # Also before Lightning's process group: a torchrun restart needs one apart from the failed attempt's.
-        subcommand = self.subcommand or "fit"
-        config = self.config[subcommand] if self.subcommand else self.config
+        subcommand, config = self.subcommand or "fit", _of_subcommand(self.config)
         preflight.check_trainer_counts(config)
         preflight.check_strategy(self.trainer, self.model)
         if subcommand == "fit":
@@ -385,6 +379,11 @@ def _claim_run_folder(trainer: Trainer, config: Any, subcommand: str) -> None:
         folder.trainer = trainer
 
 
+def _of_subcommand(config: Any) -> Any:
+    """The part of a parsed (or built) config that the subcommand being run reads."""
+    return config[config["subcommand"]] if config.get("subcommand") else config
+
+
 def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
     """The model and data classes a parsed config names other than the example's, as parser defaults."""
     return {
@@ -446,9 +445,10 @@ class _attribute:  # noqa: N801 - used like a function in the links above
 
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
-    """Library warnings and tips that are nothing for the user to act on, silenced while the command runs."""
-    advertisement, rank_zero = _NoAdvertisement(), logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    rank_zero.addFilter(advertisement)
+    """Library warnings and tips that are nothing for the user to act on, silenced while the command runs: Lightning's
+    suggestions to install its cloud products among them (a run's output is about the run)."""
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero.addFilter(advertisement := lambda record: "Tip: For seamless cloud" not in record.getMessage())
     try:
         with warnings.catch_warnings():
             # Lightning trips over its own deprecation in torch's pytree; torchdata's StatefulDataLoader calls a
@@ -463,13 +463,6 @@ def _quiet_libraries() -> Iterator[None]:
             yield
     finally:
         rank_zero.removeFilter(advertisement)
-
-
-class _NoAdvertisement(logging.Filter):
-    """Drops Lightning's suggestions to install its cloud products; a run's output is about the run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip: For seamless cloud" not in record.getMessage()
 
 
 def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI) -> CLI:
@@ -523,7 +516,8 @@ def _report(err: Exception) -> BaseException:
     naming the user's function that raised, and the exception to raise with its traceback."""
     found = blame.verdict(err, dead=_dead_rank)
     if found is None:
-        blame.print_user_code_line(err)
+        if (line := blame.user_code_line(err)) is not None:
+            print(line, file=sys.stderr, flush=True)
         return blame.users_exception(err)
     code, line = found
     if code in (2, 3):

@@ -1,10 +1,6 @@
-"""Portable weights: export the bare network's ``state_dict`` and load weights saved by any common wrapper.
-
-``python -m template export CKPT [--output FILE]`` writes the plain ``state_dict`` of the network inside a
-Lightning checkpoint; ``load_weights`` loads that, a Lightning checkpoint, or a plain-PyTorch checkpoint saved from
-``DataParallel``/``DistributedDataParallel`` (``module.``) or ``torch.compile`` (``_orig_mod.``) into a bare module.
-``--format onnx`` writes the network (or, with ``--module``, the LightningModule) as an ONNX graph instead, checked in
-ONNX Runtime before the file is put in place.
+"""``python -m template export CKPT``: the network inside a Lightning checkpoint as a plain ``state_dict``, or with
+``--format onnx`` as an ONNX graph checked in ONNX Runtime. ``load_weights`` loads that, a Lightning checkpoint, or
+a plain-PyTorch one saved from ``DataParallel``/``DistributedDataParallel`` or ``torch.compile`` into a bare module.
 """
 
 from __future__ import annotations
@@ -76,19 +72,6 @@ def load_weights(
     state = extract_state_dict(checkpoints.load(path, map_location), prefix, source=f"'{path}'")
     module.load_state_dict(state, strict=strict)
     return module
-
-
-def export(checkpoint_path: str | os.PathLike, output: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> Path:
-    """Write the plain network ``state_dict`` of ``checkpoint_path`` to ``output`` (atomically); returns ``output``."""
-    output = Path(output)
-    state = extract_state_dict(checkpoints.load(checkpoint_path), prefix, source=f"'{checkpoint_path}'")
-    if output.resolve() == Path(checkpoint_path).resolve():
-        raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
-    # atomic: nothing is left at --output (the temporary is removed, a previous file untouched).
-    with disk_errors(output, kept="nothing was written at --output", option="--output"):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(state, output)
-    return output
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -202,13 +185,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.format == "weights" and (args.module or args.config):
         raise ConfigError("--module and --config are for --format onnx; the weights need neither")
-    suffix = ".onnx" if args.format == "onnx" else ".pt"
-    output = Path(args.output) if args.output else Path(args.ckpt_path).with_suffix(suffix)
+    output = Path(args.output or Path(args.ckpt_path).with_suffix(".onnx" if args.format == "onnx" else ".pt"))
+    if output.resolve() == Path(args.ckpt_path).resolve():
+        raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
     if args.format == "onnx":
-        if output.resolve() == Path(args.ckpt_path).resolve():
-            raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
         checked = export_onnx(args.ckpt_path, output, args.config or [], args.prefix, args.module)
         print(f"Wrote {output}, {checked}: onnxruntime.InferenceSession('{output}').run(None, {{'input': x}})")
         return
-    written = export(args.ckpt_path, output, args.prefix)
-    print(f"Wrote {written}: net.load_state_dict(torch.load('{written}', weights_only=True))")
+    state = extract_state_dict(checkpoints.load(args.ckpt_path), args.prefix, source=f"'{args.ckpt_path}'")
+    with disk_errors(output, kept="nothing was written at --output", option="--output"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(state, output)  # atomic: a failed write leaves nothing at --output
+    print(f"Wrote {output}: net.load_state_dict(torch.load('{output}', weights_only=True))")

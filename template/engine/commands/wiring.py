@@ -1,8 +1,6 @@
-"""What the command line adds to a Trainer: the functions below build each piece from the parsed configuration.
-
-``engine/cli.py`` calls them from LightningCLI's hooks and nothing else adds to a run. Each piece that changes the
-run carries its ``announcement`` (``engine/mechanism.py``): what it does and the option that switches it off, which
-the run's first lines list.
+"""What the command line adds to a Trainer, each piece built from the parsed configuration; ``cli.py`` calls these
+from LightningCLI's hooks. A piece that changes the run carries its ``announcement`` (``logs.console.Mechanism``):
+what it does and the option that switches it off, listed in the run's first lines.
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ def loggers(
         return {}
     if logger is False:
         raise ConfigError("trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them")
-    return {"logger": [*(logger if isinstance(logger, list) else [logger]), *trackers]}
+    return {"logger": [*_listed(logger), *trackers]}
 
 
 def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +74,7 @@ def callbacks(
     """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitor's check, preemption,
     the run's provenance, its tracker runs (with ``trackers`` or a tracker as ``trainer.logger``), the weights'
     average (``ema``) and periodic saves."""
-    configured = trainer_config.get("callbacks") or []
+    configured = _listed(trainer_config.get("callbacks"))
     added: list[Callback] = []
     if trainer_config.get("enable_progress_bar") is not False and not any(
         isinstance(c, ProgressBar) for c in configured
@@ -85,9 +83,8 @@ def callbacks(
         added.append(TimedProgressBar(refresh_rate=10))
     if subcommand == "fit":
         check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
-        monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
-        logger = trainer_config.get("logger")
-        tracked = has_trackers([*(trackers or []), *(logger if isinstance(logger, list) else [logger])])
+        monitors = _monitors(monitor, configured)
+        tracked = has_trackers([*(trackers or []), *_listed(trainer_config.get("logger"))])
         added += [*([MonitorCheck(monitors)] if monitors else []), *([TrackerRuns()] if tracked else [])]
         added += [LogsBeforeCheckpoints()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
@@ -95,9 +92,7 @@ def callbacks(
         # user's): the checkpoints written there hold this batch's changes. Provenance records the signal it stopped on.
         preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
         added += [*preemption, Provenance(), *periodic_checkpoint(run)]
-    if not added:
-        return {}
-    return {"callbacks": [*(configured if isinstance(configured, list) else [configured]), *added]}
+    return {"callbacks": [*configured, *added]} if added else {}
 
 
 def check_devices(trainer_config: dict[str, Any]) -> None:
@@ -113,7 +108,7 @@ def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: An
     """What needs the built Trainer: matmul precision, the launcher's process count, the watchdog's timeout, and
     idle per-batch hooks skipped on every callback but the user's (``configured``, the config's callbacks)."""
     apply_matmul_precision(matmul_precision, trainer)
-    users = {id(c) for c in (configured if isinstance(configured, list) else [configured] if configured else [])}
+    users = {id(c) for c in _listed(configured)}
     for callback in trainer.callbacks:
         if id(callback) not in users:
             skip_idle_step_hooks(callback)
@@ -125,6 +120,11 @@ def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: An
     for callback in trainer.callbacks:
         if isinstance(callback, HangWatchdog):
             callback.arm(trainer)
+
+
+def _listed(value: Any) -> list[Any]:
+    """A config's callbacks or loggers as a list: it may give one, a list, or none."""
+    return value if isinstance(value, list) else [] if value is None else [value]
 
 
 def _monitors(checkpoint_monitor: str | None, configured: list[Any]) -> dict[str, str]:

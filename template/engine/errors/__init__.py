@@ -135,47 +135,43 @@ def explain_trainer_error(text: str, devices: Any = None) -> str:
     return f"invalid trainer settings: {text}"
 
 
-# The failures a user fixes on the filesystem rather than in the code or the config.
-_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_DISK_ERRNOS = _FULL | {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ENAMETOOLONG, errno.EISDIR}
-_DISK_ERRNOS |= {errno.ENOENT, errno.ELOOP, errno.EEXIST}
 ROOT_OPTION = "--trainer.default_root_dir"
+# The failures a user fixes on the filesystem rather than in the code or the config, and how; ENOTDIR and EEXIST
+# (a file where a folder should be) name the file.
+_FULL = "free space there or set {option} to another disk, then run the same command again"
+_NOT_YOURS = "this user may not write there; set {option} to a folder you can write to, or fix its permissions"
+_FIXES = {
+    errno.ENOSPC: _FULL,
+    errno.EDQUOT: _FULL,
+    errno.EFBIG: _FULL,
+    errno.EROFS: "the disk is mounted read-only; set {option} to a folder on a writable disk",
+    errno.EACCES: _NOT_YOURS,
+    errno.EPERM: _NOT_YOURS,
+    errno.ENAMETOOLONG: "a name in the path is longer than the filesystem allows; choose a shorter --run.name or "
+    "{option}",
+    errno.EISDIR: "a folder has the name of the file to write; move it away or choose another {option}",
+    errno.ENOENT: "a folder on the way to it does not exist (removed while running?); create it or set {option}",
+    errno.ELOOP: "too many symbolic links on the way to it; fix the links or set {option} to a real folder",
+}
 
 
 def disk_error(err: OSError, path: str | os.PathLike, kept: str, option: str = ROOT_OPTION) -> DiskError | None:
     """A one-line DiskError for ``err`` while writing ``path``, naming a fix that fits it and the ``option`` that
     chose the place (``kept``: what is still intact); None for an error that is not the disk's."""
-    if err.errno not in _DISK_ERRNOS:
-        return None
-    if err.errno == errno.EEXIST:
-        if _file_on_the_way(err.filename if isinstance(err.filename, str) else path) is None:
+    if err.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocking = _file_on_the_way(err.filename if isinstance(err.filename, str) else path)
+        if err.errno == errno.EEXIST and blocking is None:
             return None  # a folder that exists already: the caller's mistake, not the disk's
         # mkdir(exist_ok=True) on a file says "File exists": the user's problem is a file where a folder should be.
         err = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), err.filename)
-    reason = err.strerror or os.strerror(err.errno)
-    path = os.path.normpath(path)
-    return DiskError(f"cannot write {path}: {reason} [Errno {err.errno}]; {_fix(err, path, option)} ({kept})")
-
-
-def _fix(err: OSError, path: str, option: str) -> str:
-    code = err.errno
-    if code in _FULL:
-        return f"free space there or set {option} to another disk, then run the same command again"
-    if code == errno.EROFS:
-        return f"the disk is mounted read-only; set {option} to a folder on a writable disk"
-    if code in (errno.EACCES, errno.EPERM):
-        return f"this user may not write there; set {option} to a folder you can write to, or fix its permissions"
-    if code in (errno.ENOTDIR, errno.EEXIST):
-        blocking = _file_on_the_way(err.filename if isinstance(err.filename, str) else path)
         where = f"'{blocking}' is a file, not a folder" if blocking else "a part of the path is a file, not a folder"
-        return f"{where}; move it away or choose another {option}"
-    if code == errno.ENAMETOOLONG:
-        return f"a name in the path is longer than the filesystem allows; choose a shorter --run.name or {option}"
-    if code == errno.EISDIR:
-        return f"a folder has the name of the file to write; move it away or choose another {option}"
-    if code == errno.ENOENT:
-        return f"a folder on the way to it does not exist (removed while running?); create it or set {option}"
-    return f"too many symbolic links on the way to it; fix the links or set {option} to a real folder"
+        fix = f"{where}; move it away or choose another {option}"
+    elif err.errno in _FIXES:
+        fix = _FIXES[err.errno].format(option=option)
+    else:
+        return None
+    reason = err.strerror or os.strerror(err.errno)
+    return DiskError(f"cannot write {os.path.normpath(path)}: {reason} [Errno {err.errno}]; {fix} ({kept})")
 
 
 def _file_on_the_way(path: str) -> str | None:

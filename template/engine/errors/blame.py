@@ -1,5 +1,5 @@
-"""Whose an exception is, and so how it is reported (``verdict``): a mistake in the configuration (one line), the
-disk's (one line), or the user's own code (their traceback, after a line naming their function that raised).
+"""Whose an exception is, and so how ``main`` reports it (``verdict``): a mistake in the configuration or the disk's
+(one line), or the user's own code (their traceback, after a line naming their function).
 
 A frame is the user's when its file is outside the Python installation and its packages, and outside this engine:
 the model, data and networks at the top of the package, or any module a config names by ``class_path``.
@@ -12,31 +12,25 @@ import importlib.metadata
 import os
 import pkgutil
 import re
-import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from template.engine.errors import (
-    ConfigError,
-    chain,
-    config_error_in,
-    disk_error_in,
-    explain_trainer_error,
-    one_line,
-    parser_error,
-)
+from template.engine import errors
+from template.engine.errors import ConfigError, chain, one_line
 
 _ENGINE = str(Path(__file__).resolve().parents[1])
-_INSTALLED = tuple(
-    {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_path(key))}
-)
+_INSTALLED = {
+    str(Path(p).resolve()) + os.sep
+    for key in ("stdlib", "platstdlib", "purelib", "platlib")
+    if (p := sysconfig.get_path(key))
+}
 # The exceptions a library raises when a value it was given is out of its range, of the wrong kind, or needs a
 # package that is not installed. Anything else (a RuntimeError from a kernel, a KeyError...) is not blamed on a value.
 REFUSALS = (ValueError, TypeError, ImportError, AssertionError, ArithmeticError, MisconfigurationException)
@@ -46,32 +40,22 @@ def verdict(
     err: BaseException, dead: Callable[[BaseException], tuple[int, str] | None] | None = None
 ) -> tuple[int, str] | None:
     """The exit code and the one line for ``err``; None for an exception of the user's code (or a bug), whose
-    traceback is the report.
-
-    2: the parser's refusal, a ConfigError, a value a library refused while the parser built a class of the config,
-    or Lightning alone refusing a Trainer setting; 3: the disk; ``dead``: its answer for a rank of the job that died.
-    """
-    mistake = parser_error(err) if isinstance(err, ArgumentError) else config_error_in(err) or _refused_building(err)
+    traceback is the report. 2: the parser's refusal, a ConfigError, a value a library refused while the parser built
+    a class of the config, or one Lightning refused alone; 3: the disk; ``dead``: its answer for a rank that died."""
+    if isinstance(err, ArgumentError):
+        mistake = errors.parser_error(err)
+    elif (mistake := errors.config_error_in(err)) is None and (build := built(err, by_parser=True)) is not None:
+        mistake = refusal(err, build.option, build.values)
     if mistake is not None:
         return 2, str(mistake)
-    if (disk := disk_error_in(err)) is not None:
+    if (disk := errors.disk_error_in(err)) is not None:
         return 3, str(disk)
     if dead is not None and (found := dead(err)) is not None:
         return found
-    if user_function_calling(err) is None and refused_by(err, package="lightning") is not None:
+    if _user_frame(err) is None and refused_by(err, package="lightning") is not None:
         # Lightning alone refused a Trainer setting when it met the data (val_check_interval above an epoch's batches).
-        return 2, explain_trainer_error(one_line(root_cause(err)))
+        return 2, errors.explain_trainer_error(one_line(root_cause(err)))
     return None
-
-
-def is_user_file(filename: str) -> bool:
-    """Whether code in ``filename`` is the user's: not Python's, not an installed package's, not the engine's."""
-    if not filename or filename.startswith("<"):
-        return False
-    path = str(Path(filename).resolve())
-    if path.startswith(_ENGINE):
-        return False
-    return not any(path.startswith(root + os.sep) for root in _INSTALLED) and "site-packages" not in path
 
 
 def root_cause(err: BaseException) -> BaseException:
@@ -80,35 +64,34 @@ def root_cause(err: BaseException) -> BaseException:
     return first
 
 
-def _frames(tb: TracebackType | None) -> Iterator[tuple[FrameType, int]]:
+def _frames(err: BaseException) -> list[FrameType]:
+    """The frames ``err`` passed through, outermost first."""
+    frames, tb = [], err.__traceback__
     while tb is not None:
-        yield tb.tb_frame, tb.tb_lineno
+        frames.append(tb.tb_frame)
         tb = tb.tb_next
+    return frames
 
 
 def _users(frame: FrameType) -> bool:
-    return is_user_file(frame.f_code.co_filename)
+    """Whether ``frame`` runs the user's code: not Python's, not an installed package's, not the engine's."""
+    filename = frame.f_code.co_filename
+    path = "" if filename.startswith("<") else str(Path(filename).resolve())
+    return bool(path) and not path.startswith((_ENGINE, *_INSTALLED)) and "site-packages" not in path
 
 
-def raised_in_user_code(err: BaseException) -> str | None:
-    """``Class.function (file:line)`` of the user's frame that raised ``err``'s root cause itself; else None."""
-    frames = list(_frames(root_cause(err).__traceback__))
-    return _where(*frames[-1]) if frames and _users(frames[-1][0]) else None
-
-
-def user_function_calling(err: BaseException) -> str | None:
+def _user_frame(err: BaseException) -> str | None:
     """``Class.function (file:line)`` of the innermost frame of the user's code in ``err``'s root cause, or None."""
-    user = [f for f in _frames(root_cause(err).__traceback__) if _users(f[0])]
-    return _where(*user[-1]) if user else None
-
-
-def _where(frame: FrameType, line: int) -> str:
-    code = frame.f_code
-    filename = code.co_filename
-    with contextlib.suppress(ValueError):  # another drive on Windows
-        relative = os.path.relpath(filename)
-        filename = filename if relative.startswith("..") else relative
-    return f"{getattr(code, 'co_qualname', code.co_name)} ({filename}:{line})"
+    tb, found = root_cause(err).__traceback__, None
+    while tb is not None:
+        if _users(tb.tb_frame):
+            code, filename = tb.tb_frame.f_code, tb.tb_frame.f_code.co_filename
+            with contextlib.suppress(ValueError):  # another drive on Windows
+                relative = os.path.relpath(filename)
+                filename = filename if relative.startswith("..") else relative
+            found = f"{getattr(code, 'co_qualname', code.co_name)} ({filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
 
 
 def refused_by(err: BaseException, package: str | None = None, building: bool = False) -> str | None:
@@ -116,23 +99,21 @@ def refused_by(err: BaseException, package: str | None = None, building: bool = 
     raised; None otherwise. ``building``: ``err`` came from building the config's objects, so any exception of a
     library that no code of the user's called (a RuntimeError for a negative size too) is the values' fault."""
     cause = root_cause(err)
-    frames = list(_frames(cause.__traceback__))
-    own = any(_users(frame) for frame, _ in frames)
-    if not isinstance(cause, REFUSALS) and not (building and not own):
+    frames = _frames(cause)
+    if not isinstance(cause, REFUSALS) and not (building and not any(map(_users, frames))):
         return None
     # A missing package is the environment's wherever the import is; other exceptions from the user's code are theirs.
-    if not frames or (_users(frames[-1][0]) and not isinstance(cause, ImportError)):
+    if not frames or (_users(frames[-1]) and not isinstance(cause, ImportError)):
         return None
-    if package is not None and not frames[-1][0].f_globals.get("__name__", "").startswith(f"{package}."):
+    if package is not None and not frames[-1].f_globals.get("__name__", "").startswith(f"{package}."):
         return None
     # The outermost library frame below the user's and the engine's code names the class the value was given to.
-    ours = [i for i, (frame, _) in enumerate(frames) if _users(frame) or frame.f_code.co_filename.startswith(_ENGINE)]
-    for frame, _ in frames[ours[-1] + 1 if ours else 0 :]:
-        owner = frame.f_locals.get("self")
-        if owner is not None and frame.f_code.co_name == "__init__":
+    ours = [i for i, frame in enumerate(frames) if _users(frame) or frame.f_code.co_filename.startswith(_ENGINE)]
+    for frame in frames[ours[-1] + 1 if ours else 0 :]:
+        if frame.f_code.co_name == "__init__" and (owner := frame.f_locals.get("self")) is not None:
             return f"{type(owner).__module__}.{type(owner).__qualname__}"
-    frame = frames[-1][0]
-    return f"{frame.f_globals.get('__name__', '?')}.{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"
+    code = frames[-1].f_code
+    return f"{frames[-1].f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
 
 
 def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError | None:
@@ -151,8 +132,7 @@ def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError
     if named := _named_in(reason, values):
         option = " and ".join(f"{name}={values[name]!r}" for name in named)
         return ConfigError(f"{option} refused by {library}: {reason}; set a value it accepts")
-    caller = user_function_calling(err)
-    where = f", called from {caller}" if caller else ""
+    where = f", called from {caller}" if (caller := _user_frame(err)) else ""
     given = f" (given: {_given(values)})" if _given(values) and len(values) <= 12 else ""
     fix = f"fix the values under {key}{given}"
     return ConfigError(f"{key} could not be built: {library} refused its arguments ({reason}{where}); {fix}")
@@ -186,15 +166,14 @@ def install_hint(err: ImportError) -> str:
     """How to install what ``err`` misses: this project's extra that provides it, else the package itself."""
     text = str(err)
     match = re.search(r"Requirement '([A-Za-z0-9_.-]+)", text) or re.search(r"No module named '([\w.]+)'", text)
-    missing = (match.group(1) if match else getattr(err, "name", None) or "").split(".")[0]
+    missing = (match.group(1) if match else getattr(err, "name", None) or "").split(".")[0].lower()
     if not missing:
         return "install the package it names"
-    package = __name__.split(".")[0]
-    for own in importlib.metadata.packages_distributions().get(package, [])[:1]:
+    for own in importlib.metadata.packages_distributions().get(__name__.split(".")[0], [])[:1]:
         for requirement in importlib.metadata.requires(own) or []:
             extra = re.search(r"""extra\s*==\s*["']([\w-]+)["']""", requirement)
             name = re.split(r"[\s;<>=!~\[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
-            if extra and (name == missing.lower() or name.startswith(f"{missing.lower()}-")):
+            if extra and (name == missing or name.startswith(f"{missing}-")):
                 return f"install the project's extra: pip install -e '.[{extra.group(1)}]'"
     return f"install it: pip install {missing}"
 
@@ -238,15 +217,9 @@ class Build:
 
 
 class Instantiator:
-    """The parser's instantiator (``add_instantiator``) for the classes of ``config``: builds each as
-    ``instantiator`` does (None: jsonargparse's default, the class called with its arguments). For an exception
-    raised meanwhile, ``built`` finds the call in the traceback and the option it built.
-
-    jsonargparse hands an instantiator the class and its arguments, not the option's key. The key is the config's
-    option whose ``class_path`` imports as that very class, or the section of its own (``sections``: option ->
-    class) built as it; among several (two EarlyStopping callbacks), the one whose values are those arguments.
-    A class, not a closure: ``ddp_spawn`` pickles the model, whose optimizer factory holds the parser's instantiators.
-    """
+    """The parser's instantiator (``add_instantiator``) for the classes of ``config``, built as ``instantiator``
+    builds them (None: the class called with its arguments). ``built`` finds its call in a traceback. A class, not a
+    closure: ``ddp_spawn`` pickles the model, whose optimizer factory holds the parser's instantiators."""
 
     def __init__(self, config: Any, sections: dict[str, type], instantiator: Callable[..., Any] | None = None) -> None:
         self.config, self.sections, self.instantiator = config, sections, instantiator
@@ -257,12 +230,13 @@ class Instantiator:
         if self.instantiator is None:
             return class_type(*args, **kwargs)
         # The wrapped ones are Lightning's model and data instantiators, which take the links jsonargparse applied.
-        return self.instantiator(
-            class_type, *args, applied_instantiation_links=applied_instantiation_links or {}, **kwargs
-        )
+        links = applied_instantiation_links or {}
+        return self.instantiator(class_type, *args, applied_instantiation_links=links, **kwargs)
 
     def build(self, cls: type, kwargs: dict[str, Any]) -> Build | None:
-        """The option of the config that builds ``cls`` from ``kwargs``; None for a class the config does not name."""
+        """The option that builds ``cls`` from ``kwargs``: jsonargparse hands an instantiator the class, not the
+        option's key. It is the option whose ``class_path`` imports as that very class, or the section of its own
+        (``sections``: option -> class); among several (two EarlyStopping callbacks), the one with those values."""
         options = flat(self.config)
         named = [
             (key.removesuffix(".class_path"), path, f"{key.removesuffix('class_path')}init_args.")
@@ -276,68 +250,41 @@ class Instantiator:
         return next(iter(same or builds), None)
 
 
-def _instantiator_call(err: BaseException) -> tuple[FrameType, bool] | None:
-    """The innermost ``Instantiator`` call in the traceback nearest ``err``'s root cause, and whether the user's code
-    made it (an optimizer factory called in ``configure_optimizers``) rather than the parser."""
+def built(err: BaseException, by_parser: bool = False) -> Build | None:
+    """What was being built when ``err``, or an exception it wraps, was raised: the innermost ``Instantiator`` call
+    in the traceback nearest the root cause. ``by_parser``: not a call the user's code made (an optimizer factory in
+    ``configure_optimizers``). None when no class of the config was being built."""
     for cause in reversed(list(chain(err))):
-        frames = [frame for frame, _ in _frames(cause.__traceback__)]
+        frames = _frames(cause)
         calls = [i for i, frame in enumerate(frames) if frame.f_code is Instantiator.__call__.__code__]
         if calls:
-            return frames[calls[-1]], any(_users(frame) for frame in frames[: calls[-1]])
+            if by_parser and any(map(_users, frames[: calls[-1]])):
+                return None
+            local = frames[calls[-1]].f_locals
+            return local["self"].build(local["class_type"], local["kwargs"])
     return None
-
-
-def built(err: BaseException) -> Build | None:
-    """What the parser was building when ``err``, or an exception it wraps, was raised; None when it was not
-    building a class of the config."""
-    call = _instantiator_call(err)
-    if call is None:
-        return None
-    local = call[0].f_locals
-    return local["self"].build(local["class_type"], local["kwargs"])
-
-
-def _refused_building(err: BaseException) -> ConfigError | None:
-    """A value a library refused while the parser built a class of the config (dropout=1.5, mode=maximum), or a
-    package it needs that is missing (a tracker's extra): one line naming the option."""
-    call = _instantiator_call(err)
-    build = built(err) if call is not None and not call[1] else None
-    return refusal(err, build.option, build.values) if build is not None else None
 
 
 def users_exception(err: BaseException) -> BaseException:
     """For an exception the parser wrapped while it built a class of the user's, the user's own (their traceback,
     without jsonargparse's "Does not validate against any of the Union subtypes" around it); else ``err``."""
     if built(err) is not None:
-        for cause in chain(err):
-            if any(_users(frame) for frame, _ in _frames(cause.__traceback__)):
-                return cause
+        return next((cause for cause in chain(err) if any(map(_users, _frames(cause)))), err)
     return err
 
 
 def user_code_line(err: BaseException) -> str | None:
-    """The line printed before the traceback of an exception that passed through the user's code; None otherwise."""
-    caller = user_function_calling(err)
-    if caller is None:
+    """The line printed before the traceback of an exception that passed through the user's code, naming their
+    function and, while the parser built a class, the values it was given; None otherwise."""
+    if (caller := _user_frame(err)) is None:
         return None
-    how = "raised in your code" if raised_in_user_code(err) else "raised by a library called from your code"
-    return f"error: {_built_from(err)}{type(root_cause(err)).__name__} {how}, {caller}; its traceback follows"
-
-
-def _built_from(err: BaseException) -> str:
-    """``option=value ... refused while building option (class): `` for the values of the class being built that the
-    exception quotes, else the class and all its values; "" when the parser was not building a class of the config."""
-    build = built(err)
-    if build is None:
-        return ""
-    what = f"{build.option} ({build.class_path})" if build.class_path else build.option
-    if named := _named_in(one_line(root_cause(err)), build.values):
-        values = " and ".join(f"{name}={build.values[name]!r:.200}" for name in named)
-        return f"{values} refused while building {what}: "
-    return f"{what} could not be built from {_given(build.values) or 'its defaults'}: "
-
-
-def print_user_code_line(err: BaseException) -> None:
-    """Say, before Python prints the traceback, which of the user's functions raised ``err``."""
-    if (line := user_code_line(err)) is not None:
-        print(line, file=sys.stderr, flush=True)
+    cause, build, built_from = root_cause(err), built(err), ""
+    if build is not None:
+        what = f"{build.option} ({build.class_path})" if build.class_path else build.option
+        values = " and ".join(f"{k}={build.values[k]!r:.200}" for k in _named_in(one_line(cause), build.values))
+        given = _given(build.values) or "its defaults"
+        built_from = (
+            f"{values} refused while building {what}: " if values else f"{what} could not be built from {given}: "
+        )
+    how = "raised in your code" if _users(_frames(cause)[-1]) else "raised by a library called from your code"
+    return f"error: {built_from}{type(cause).__name__} {how}, {caller}; its traceback follows"
