@@ -214,9 +214,8 @@ class CLI(LightningCLI):
         print_config = internals.print_config_action()
         with print_config.skip_print_config():  # printed below, once the config is what the run will use
             # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
-            # DataModule would train with the digits' batch_size): with that class as the default it gets its own
-            # signature's defaults and only what the configs set. The classes the command line names are made the
-            # defaults before parsing; only where the parse chose others is the command line parsed again.
+            # DataModule would train with the digits' batch_size); as the parser's default it gets its own. The
+            # classes the command line names are the defaults of the parse; where it chose others, it runs again.
             named = _named_classes(argv, files) if (subcommand := self._only_subcommand) else {}
             if named:
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in named.items()})
@@ -240,9 +239,8 @@ class CLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        # Every class of the config is built by an Instantiator, so that a refusal names the option that built it.
-        # These replace the model and data instantiators Lightning has just registered; the last takes every other
-        # class (built as jsonargparse's default builds it).
+        # Every class of the config is built by an Instantiator, so that a refusal names the option that built it:
+        # these wrap the model and data instantiators Lightning has just registered, the last takes every other class.
         config = _of_subcommand(self.config)
 
         def instantiator(wrapped: Callable[..., Any] | None = None) -> blame.Instantiator:

@@ -1,8 +1,6 @@
-"""The mistakes a run would meet only later, found before it writes anything, in the order the run would meet them:
-the Trainer's counts that Lightning leaves unchecked, the optimizers and schedulers built over the module's parameters
-as ``configure_optimizers`` will build them, then (``cli.py``) the run's folder, created, proven writable and claimed.
-What depends on the data is met at the sanity check; a run stopped there leaves no folder behind. Also the config
-files: read, each mistake in them named by the file.
+"""Mistakes found before a run writes anything: in the config files, each named by its file; then the Trainer's
+counts Lightning leaves unchecked, and the optimizers and schedulers built over the module's parameters as
+``configure_optimizers`` will build them (``cli.py`` claims the run's folder after these).
 """
 
 from __future__ import annotations
@@ -180,12 +178,9 @@ def read(value: str) -> dict[str, Any]:
 
 
 def check_sections(files: dict[str, dict[str, Any]], sections: Any, config: Any) -> None:
-    """A ConfigError for a config file whose section (``trainer:``, ``checkpoint:``...) is not a mapping.
-
-    jsonargparse takes ``trainer:`` written as a list as "no trainer options" and silently resets every setting an
-    earlier file made; a section is a mapping of options, or a class path where the option takes a class.
-    ``sections``: the parser's groups; ``config``: the parsed configuration.
-    """
+    """A ConfigError for a config file whose section (``sections``: the parser's groups) is neither a mapping of
+    options nor a class path where the option takes a class: jsonargparse takes ``trainer:`` written as a list as
+    "no trainer options" and silently resets every setting an earlier file made."""
     for path, content in files.items():
         for key, value in content.items():
             if key not in sections or value is None or isinstance(value, dict):

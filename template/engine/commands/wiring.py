@@ -151,11 +151,8 @@ RESULTS = "test-results.json"
 
 
 def evaluate_best(trainer: Trainer, model: LightningModule, datamodule: LightningDataModule | None) -> None:
-    """Run ``trainer.test`` on the fit's best checkpoint (its last weights when no metric chose one).
-
-    The same Trainer logs the test metrics into the run's own logs (``metrics.csv``, TensorBoard, trackers), and
-    rank zero writes them, with the checkpoint they come from, to ``<run folder>/test-results.json``.
-    """
+    """``trainer.test`` on the fit's best checkpoint (its last weights when no metric chose one), logged into the
+    run's own logs; rank zero writes the metrics and their checkpoint to ``<run folder>/test-results.json``."""
     callback = trainer.checkpoint_callback
     best = getattr(callback, "best_model_path", "") or None
     rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")
