@@ -75,10 +75,10 @@ def load_weights(
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse raising what it refuses (``cli.main`` reports it in one line) instead of printing usage and exiting."""
+    """argparse raising what it refuses as a ConfigError (``cli.main`` reports it in one line), not printing usage."""
 
     def error(self, message: str) -> NoReturn:
-        raise argparse.ArgumentError(None, f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
+        raise ConfigError(f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
 
 
 class FitConfig(CLI):
