@@ -222,7 +222,7 @@ def built_by_lightning_cli() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Lightning and jsonargparse: the command line (engine/cli.py)
+# Lightning and jsonargparse: the command line (commands/cli.py)
 
 
 def print_config_action() -> Any:

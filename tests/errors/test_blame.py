@@ -1,5 +1,5 @@
 """A refusal while the parser builds the config's classes is blamed on the option that built the object, as the
-parser's instantiator hook recorded it: not guessed from the class's name or the traceback."""
+parser's instantiator hook was called for it: not guessed from the class's name."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from template.engine.commands.cli import main
-from template.engine.errors.blame import Build, Builds
+from template.engine.errors.blame import Build, Instantiator, built
 from tests.conftest import PACKAGE
 
 ES = "lightning.pytorch.callbacks.EarlyStopping"
@@ -25,23 +25,22 @@ def _linear(in_features: int) -> Namespace:
 def test_the_option_is_the_one_whose_class_and_values_the_parser_built() -> None:
     # Two options name the same class; the arguments the parser passed tell which one raised.
     config = Namespace(first=_linear(4), second=_linear(-3), checkpoint=Namespace(monitor="val_acc"))
-    builds = Builds(config, {"checkpoint": ModelCheckpoint})
-    build = builds.recording()
+    build = Instantiator(config, {"checkpoint": ModelCheckpoint})
     assert isinstance(build(torch.nn.Linear, in_features=4, out_features=2), torch.nn.Linear)
     with pytest.raises(RuntimeError) as raised:
         build(torch.nn.Linear, in_features=-3, out_features=2, bias=True)
     expected = {"second.init_args.in_features": -3, "second.init_args.out_features": 2, "second.init_args.bias": True}
-    assert builds.failure(raised.value) == Build("second", "torch.nn.Linear", expected)
+    assert built(raised.value) == Build("second", "torch.nn.Linear", expected)
     # Found through the exceptions that wrap it, as jsonargparse wraps a constructor's.
     try:
         raise ValueError("Does not validate against any of the Union subtypes") from raised.value
     except ValueError as wrapper:
-        assert builds.failure(wrapper) == builds.failure(raised.value)
-    assert builds.failure(RuntimeError("raised elsewhere")) is None
+        assert built(wrapper) == built(raised.value)
+    assert built(RuntimeError("raised elsewhere")) is None
     # A section of its own (checkpoint:) is known by its class; its values are the section's options.
     with pytest.raises(Exception) as refused:
         build(ModelCheckpoint, monitor="val_acc", mode="maximum")
-    found = builds.failure(refused.value)
+    found = built(refused.value)
     assert found is not None and found.option == "checkpoint" and found.class_path is None
     assert found.values["checkpoint.mode"] == "maximum"
 

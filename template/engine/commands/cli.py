@@ -1,24 +1,25 @@
-"""Command line: LightningCLI with the project's defaults, and mistakes reported in one line.
+"""The command line: LightningCLI with the project's defaults, and ``main``, where every failure is reported.
 
-What the command line adds to a run is listed, in order, in ``engine/wiring.py``; this module only calls it from
-LightningCLI's documented hooks.
+What the command line adds to a Trainer is in ``wiring.py``; this module calls it from LightningCLI's hooks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib
 import inspect
 import logging
+import pkgutil
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
@@ -28,14 +29,11 @@ from typing_extensions import override
 import template
 from template.engine import internals
 from template.engine.commands import preflight, wiring
-from template.engine.commands import preflight as config_files
 from template.engine.commands.wiring import PredictionWriter, evaluate_best
 from template.engine.errors import (
     TRACEBACK_VARIABLE,
+    ConfigError,
     blame,
-    config_error_in,
-    disk_error_in,
-    explain_parser_error,
     explain_trainer_error,
     full_traceback,
     one_line,
@@ -138,17 +136,8 @@ class DescribedTrainer(Trainer):
 
 
 class ArgumentParser(LightningArgumentParser):
-    """Reports a bad option or value as one ``error:`` line instead of usage text."""
+    """Dumps a config without validating it again: the parse validated it, ``settle`` adds only the engine's values."""
 
-    @override
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:
-            super().error(message, ex)
-        print(f"error: {explain_parser_error(message)}", file=sys.stderr)
-        self.exit(2)
-
-    # A run dumps its parsed config twice (Lightning's hyper-parameters, config.yaml), each time validating it again
-    # by default: ~30 ms each here, two thirds of a dump. The parse validated it; settle() adds only the engine's own.
     @override
     def dump(self, *args: Any, skip_validation: bool = True, **kwargs: Any) -> str:
         return super().dump(*args, skip_validation=skip_validation, **kwargs)
@@ -161,12 +150,10 @@ class ArgumentParser(LightningArgumentParser):
 class CLI(LightningCLI):
     """The project's command line: ``python -m <package> {fit,validate,test,predict} --config configs/x.yaml``."""
 
-    def __init__(self, *args: Any, started: list[CLI] | None = None, **kwargs: Any) -> None:
-        # `started` gets this command line before it runs: its caller keeps it when the run raises.
-        if started is not None:
-            started.append(self)
-        # The subcommand the command line names, if it names one first: only its parser is built (LightningCLI
-        # builds a full parser for each of the four, three of them unused, a third of a second each here).
+    fit_run: Run | None = None  # what a fit continues (continuation.continue_run), found once by the parse
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Only the parser of the subcommand the command line names first is built, not all four.
         argv = kwargs.get("args")
         argv = sys.argv[1:] if argv is None else argv
         first = argv[0] if isinstance(argv, (list, tuple)) and argv else None
@@ -185,6 +172,7 @@ class CLI(LightningCLI):
         self.parser_class = ArgumentParser
         # argparse would otherwise take a misspelt prefix (--trainer.max_epoch) silently as the option it abbreviates.
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("exit_on_error", False)  # raise what it refuses: main reports it in one line
         return super().init_parser(**kwargs)
 
     @override
@@ -205,13 +193,9 @@ class CLI(LightningCLI):
             help="Experiment trackers (Lightning loggers, e.g. configs/mlflow.yaml) logging beside the CSV and "
             "TensorBoard logs",
         )
+        # The example's classes; any LightningModule and LightningDataModule replace them by class_path.
         parser.set_defaults(
-            {
-                # The example; any LightningModule and LightningDataModule replace them by class_path.
-                **EXAMPLE_DEFAULTS,
-                "checkpoint.save_last": True,
-                "checkpoint.auto_insert_metric_name": False,
-            }
+            {**EXAMPLE_DEFAULTS, "checkpoint.save_last": True, "checkpoint.auto_insert_metric_name": False}
         )
         # The data knows its shapes: networks and metrics get them from it instead of hard-coding them. jsonargparse
         # applies a link only where the chosen model (and its `net`) has the argument.
@@ -223,31 +207,27 @@ class CLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        # jsonargparse reports broken YAML without saying which file; name it first.
-        args_list = sys.argv[1:] if args is None else list(args) if not isinstance(args, (dict, Namespace)) else []
-        configs, options = config_files.split(args_list)
-        files = {value: config_files.read(value) for value in configs}
+        argv = sys.argv[1:] if args is None else [] if isinstance(args, (dict, Namespace)) else list(args)
+        files = {value: preflight.read(value) for value in preflight.split(argv)[0]}  # a broken file, by its name
         print_config = internals.print_config_action()
-        # --print_config prints below, once the configuration is what the run will use.
-        with print_config.skip_print_config():
+        with print_config.skip_print_config():  # printed below, once the config is what the run will use
             # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
-            # DataModule would train with the digits' batch_size): with that class as the default it gets its own
-            # signature's defaults and only what the configs set. The classes the configs and options name are made
-            # the defaults before parsing; only where the parse chose others (a class named some other way) is the
-            # command line parsed a second time, with those.
-            named = _named_classes([*files.values()], options) if (subcommand := self._only_subcommand) else {}
+            # DataModule would train with the digits' batch_size); as the parser's default it gets its own. The
+            # classes the command line names are the defaults of the parse; where it chose others, it runs again.
+            named = _named_classes(argv, files) if (subcommand := self._only_subcommand) else {}
             if named:
                 parser.set_defaults({f"{subcommand}.{key}": value for key, value in named.items()})
             self._parse(parser, args)
             subcommand = self.config.get("subcommand")
-            chosen = _chosen_classes(self.config[subcommand] if subcommand else self.config)
+            chosen = _chosen_classes(_of_subcommand(self.config))
             if subcommand and chosen != named:
                 parser.set_defaults(
                     {f"{subcommand}.{key}": chosen.get(key, EXAMPLE_DEFAULTS[key]) for key in {*chosen, *named}}
                 )
                 self._parse(parser, args)
-        config_files.check_sections(files, self.sections, self.config[subcommand] if subcommand else self.config)
-        settle(self.config[subcommand] if subcommand else self.config, subcommand)
+        config = _of_subcommand(self.config)
+        preflight.check_sections(files, self.sections, config)
+        self.fit_run = settle(config, subcommand)
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -257,50 +237,26 @@ class CLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        # Every class the parser builds is built through `self.builds`: a refusal names the option that built it.
-        # Lightning registered its model and data instantiators for these types just before this hook; these replace
-        # them, and the last one takes every other class (jsonargparse's default builds it the same way).
-        self.builds = blame.Builds(self.config[self.subcommand] if self.subcommand else self.config, CALLBACK_SECTIONS)
-        record = self.builds.recording
+        # Every class of the config is built by an Instantiator, so that a refusal names the option that built it:
+        # these wrap the model and data instantiators Lightning has just registered, the last takes every other class.
+        config = _of_subcommand(self.config)
+
+        def instantiator(wrapped: Callable[..., Any] | None = None) -> blame.Instantiator:
+            return blame.Instantiator(config, CALLBACK_SECTIONS, wrapped)
+
         # Lightning's model instantiator records every link in the hyper-parameters, also links jsonargparse did not
         # apply because a user's module has no such argument, and load_from_checkpoint then fails on a missing `net`.
-        self.parser.add_instantiator(record(_AppliedLinksOnly(cli=self, key="model")), LightningModule, subclasses=True)
+        model = _AppliedLinksOnly(cli=self, key="model")
+        self.parser.add_instantiator(instantiator(model), LightningModule, subclasses=True)
         data = internals.instantiator_class()(cli=self, key="data")
-        self.parser.add_instantiator(record(data), LightningDataModule, subclasses=True)
-        self.parser.add_instantiator(record(), object, subclasses=True)
-
-    @override
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-            return
-        except Exception as err:
-            # jsonargparse wraps a ConfigError raised by a model or DataModule constructor in its own message.
-            cause = config_error_in(err)
-            if cause is not None:
-                raise cause from None
-            # A value a library refused while the parser built a class of the config (dropout=1.5, mode=maximum), or
-            # a package it needs that is missing (a tracker's extra): one line naming the option that built it.
-            built = self.builds.failure(err)
-            config = self.config[self.subcommand] if self.subcommand else self.config
-            values = built.values if built is not None else blame.leaves(config, "")
-            refused = blame.refusal(err, built.option if built is not None else "the configuration", values)
-            if refused is not None:
-                raise refused from None
-            # The user's own class refused its values: their exception and traceback, after a line naming the option.
-            own = blame.users_exception(err) if built is not None else None
-            if own is None:
-                raise
-        # Raised outside the except block, the user's exception is not chained to jsonargparse's wrapper around it.
-        raise own
+        self.parser.add_instantiator(instantiator(data), LightningDataModule, subclasses=True)
+        self.parser.add_instantiator(instantiator(), object, subclasses=True)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        subcommand = self.subcommand or ""
-        config = self.config[subcommand] if subcommand else self.config
-        built = self.config_init[subcommand] if subcommand else self.config_init
+        subcommand, config, built = self.subcommand or "", _of_subcommand(self.config), _of_subcommand(self.config_init)
         trainer_config = built.get("trainer") or {}
-        run = continue_run(config) if subcommand == "fit" else Run(None, None, None, resume=False)
+        run = self.fit_run or Run(None, None, None, resume=False)
         kwargs = {
             **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
             **wiring.plugins(trainer_config),
@@ -312,27 +268,29 @@ class CLI(LightningCLI):
                 config.get("checkpoint.monitor"),
                 config.get("ema"),
                 built.get("trackers"),
-            ),  # fmt: skip
+            ),
             **run_folder_arguments(run.directory, trainer_config, built.get("checkpoint")),
             **kwargs,
         }
-
-        def build() -> Trainer:
+        try:
             wiring.check_devices(trainer_config)
             with wiring.process_group_timeout(built.get("watchdog")):
-                trainer = super(CLI, self).instantiate_trainer(**kwargs)
+                trainer = super().instantiate_trainer(**kwargs)
+            self.folders.trainer = trainer  # main asks it what ended the job, and whether training started
             wiring.after_trainer(trainer, built.get("float32_matmul_precision"), trainer_config.get("callbacks"))
-            rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
-            return trainer
-
-        return wiring.trainer_errors_as_config_errors(build, trainer_config)
+        except (MisconfigurationException, ValueError, TypeError) as err:
+            if isinstance(err, TypeError) and "devices" not in str(err):
+                raise
+            # Lightning's complaint about the Trainer's arguments, said here where their values are known.
+            raise ConfigError(explain_trainer_error(one_line(err), trainer_config.get("devices"))) from None
+        rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
+        return trainer
 
     def before_fit(self) -> None:
         # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
         # does not divide is reported once and the DataModule sees its per-process batch from the start.
         # Also before Lightning's process group: a torchrun restart needs one apart from the failed attempt's.
-        subcommand = self.subcommand or "fit"
-        config = self.config[subcommand] if self.subcommand else self.config
+        subcommand, config = self.subcommand or "fit", _of_subcommand(self.config)
         preflight.check_trainer_counts(config)
         preflight.check_strategy(self.trainer, self.model)
         if subcommand == "fit":
@@ -369,10 +327,9 @@ class CLI(LightningCLI):
             rank_zero_info(line)
 
 
-def settle(config: Any, subcommand: str | None) -> None:
-    """Make the subcommand's parsed config (in place) what the run will use; checkpoint paths are validated before
-    anything reads them. Printed by --print_config and saved as config.yaml, so both show what the run uses.
-    """
+def settle(config: Any, subcommand: str | None) -> Run | None:
+    """Make the subcommand's parsed config (in place) what the run will use, as --print_config prints it and
+    config.yaml saves it; the checkpoint is validated before anything reads it. For fit, the run it continues."""
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
         config["checkpoint.monitor"] = EXAMPLE_MONITOR["checkpoint.monitor"]
         if config.get("checkpoint.mode") == "min":  # ModelCheckpoint's default; a value of the user's stays theirs
@@ -390,14 +347,15 @@ def settle(config: Any, subcommand: str | None) -> None:
         config["ckpt_path"] = ckpt_path = newest_under(root, config.get("checkpoint.dirpath"))
         rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
-        # First: LightningCLI reads the file right after this hook, and a named run describes it.
-        checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))
-    if subcommand == "fit":
-        # The run's folder, and its newest checkpoint when the same command is started again.
-        run = continue_run(config)
-        config["ckpt_path"] = run.ckpt_path
-        if (line := run.describe()) is not None:
-            rank_zero_info(line)
+        checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
+    if subcommand != "fit":
+        return None
+    # The run's folder, and its newest checkpoint when the same command is started again.
+    run = continue_run(config)
+    config["ckpt_path"] = run.ckpt_path
+    if (line := run.describe()) is not None:
+        rank_zero_info(line)
+    return run
 
 
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
@@ -417,50 +375,38 @@ def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcom
     folders.claim(directory, name, "--trainer.default_root_dir", trainer)
 
 
+def _of_subcommand(config: Any) -> Any:
+    """The part of a parsed (or built) config that the subcommand being run reads."""
+    return config[config["subcommand"]] if config.get("subcommand") else config
+
+
 def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
-    """The model and data classes a config names other than the example's, as parser defaults."""
+    """The model and data classes a parsed config names other than the example's, as parser defaults."""
     return {
         key: {"class_path": path}
-        for key in ("model", "data")
+        for key in EXAMPLE
         if (path := config.get(f"{key}.class_path")) is not None and path != EXAMPLE[key]
     }
 
 
-def _named_classes(files: list[dict[str, Any]], options: list[str]) -> dict[str, dict[str, str]]:
-    """The model and data classes other than the example's that the config files, then the other options on the
-    command line, name by an importable ``class_path`` (the last one naming each wins), as parser defaults; a best
-    guess, which the parse confirms."""
+def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The model and data classes other than the example's that the command line names by an importable class
+    path, in a config file (``files``: each one's options) or by ``--model``/``--data``, the last naming each
+    winning, as parser defaults: a guess, which the parse confirms."""
     named: dict[str, Any] = {}
-    for content in files:
-        for key in EXAMPLE:
-            section = content.get(key)
-            if isinstance(section, dict) and "class_path" in section:
-                named[key] = section["class_path"]
-            elif isinstance(section, str) or (section is None and key in content):
-                named[key] = section
-    for i, arg in enumerate(options):
-        option, equals, value = arg.partition("=")
-        if not equals and i + 1 < len(options):
-            value = options[i + 1]
-        for key in EXAMPLE:
-            if option in (f"--{key}", f"--{key}.class_path"):
-                named[key] = value
+    options = [f"--{key}{end}" for key in EXAMPLE for end in ("", ".class_path")]
+    for option, value in preflight.split_options(argv, *preflight.CONFIG_OPTIONS, *options)[0]:
+        if option not in preflight.CONFIG_OPTIONS:
+            named[option[2:].split(".")[0]] = value
+            continue
+        for key, section in files[value].items():
+            if key in EXAMPLE and (section is None or isinstance(section, (str, dict))):  # null: the example's again
+                named[key] = section.get("class_path", named.get(key)) if isinstance(section, dict) else section
     return {
         key: {"class_path": path}
         for key, path in named.items()
-        if isinstance(path, str) and path != EXAMPLE[key] and _is_class(path)
+        if isinstance(path, str) and path != EXAMPLE[key] and inspect.isclass(blame.located(path))
     }
-
-
-def _is_class(path: str) -> bool:
-    """Whether ``path`` (``package.module.Class``) names a class that imports."""
-    module, _, name = path.rpartition(".")
-    if not module or not name.isidentifier():
-        return False
-    try:
-        return inspect.isclass(getattr(importlib.import_module(module), name, None))
-    except Exception:
-        return False  # the parse reports it
 
 
 class _AppliedLinksOnly(internals.instantiator_class()):
@@ -482,10 +428,8 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
 
 
 class _attribute:  # noqa: N801 - used like a function in the links above
-    """A link function reading ``name`` from the data module, or None when it has no such attribute.
-
-    A class rather than a closure: ``ddp_spawn`` pickles the model, whose hyper-parameters hold the links.
-    """
+    """A link function reading ``name`` from the data module (None when it has none). A class, not a closure:
+    ``ddp_spawn`` pickles the model, whose hyper-parameters hold the links."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -495,25 +439,34 @@ class _attribute:  # noqa: N801 - used like a function in the links above
         return list(value) if isinstance(value, tuple) else value
 
 
-class _NoAdvertisement(logging.Filter):
-    """Drops Lightning's suggestions to install its cloud products; a run's output is about the run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip: For seamless cloud" not in record.getMessage()
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """Library warnings and tips that are nothing for the user to act on, silenced while the command runs: Lightning's
+    suggestions to install its cloud products among them (a run's output is about the run)."""
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero.addFilter(advertisement := lambda record: "Tip: For seamless cloud" not in record.getMessage())
+    try:
+        with warnings.catch_warnings():
+            # Lightning trips over its own deprecation in torch's pytree; torchdata's StatefulDataLoader calls a
+            # torch API that torch deprecated; evaluating a checkpoint logs into a new version folder, and Lightning
+            # warns that the old folder is not reused.
+            for message in (
+                r".*isinstance\(treespec, LeafSpec\)",
+                r"'set_vital' is deprecated",
+                "The dirpath has changed from",
+            ):
+                warnings.filterwarnings("ignore", message=message)
+            yield
+    finally:
+        rank_zero.removeFilter(advertisement)
 
 
 def build_cli(
-    args: list[str] | None = None,
-    run: bool = True,
-    cli_class: type[CLI] = CLI,
-    started: list[CLI] | None = None,
-    folders: RunFolders | None = None,
+    args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI, folders: RunFolders | None = None
 ) -> CLI:
     """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path;
-    ``started`` gets the command line before it runs, ``folders`` holds the run folder it claims."""
-    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _NoAdvertisement) for f in rank_zero_log.filters):
-        rank_zero_log.addFilter(_NoAdvertisement())
+    ``folders`` (the command's) holds the run folder it claims and the trainer it builds."""
+    plain = "; ".join(f"{name}: {c.description}" for name, c in COMMANDS.items() if c.runs is not None)
     return cli_class(
         LightningModule,
         LightningDataModule,
@@ -525,75 +478,61 @@ def build_cli(
         # A restart of the same run keeps its config.yaml instead of refusing to start.
         save_config_callback=RunConfigCallback,
         trainer_class=DescribedTrainer,
-        parser_kwargs={"prog": PROGRAM, "description": _plain_commands_help()},
+        parser_kwargs={"prog": PROGRAM, "description": f"Also: {plain}. Each subcommand has its own --help."},
         args=args,
         run=run,
-        started=started,
         folders=folders,
     )
 
 
-def _plain_commands_help() -> str | None:
-    plain = {name: c for name, c in COMMANDS.items() if c.runs is not None}
-    if not plain:
-        return None
-    listed = "; ".join(f"{name}: {c.description}" for name, c in plain.items())
-    return f"Also: {listed}. Each subcommand has its own --help."
-
-
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``python -m <package>`` and of the console script of the same name."""
-    # Lightning 2.6 trips over its own deprecation in torch's pytree on every run; it is not the user's to fix.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    # Evaluating a checkpoint logs into a new version folder; Lightning warns that the old folder is not reused.
-    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
-    # torchdata's StatefulDataLoader calls a torch API that torch deprecated; nothing for the user to change.
-    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
+    """Entry point of ``python -m <package>`` and of the console script of the same name. Every failure is reported
+    here: one ``error:`` line and its exit code (``blame.verdict``), or the user's exception with its traceback."""
     argv = sys.argv[1:] if args is None else list(args)
     handlers = signal_handlers()
-    started: list[CLI] = []  # the command line, kept when its run raises: its trainer knows what ended the job
     folders = RunFolders()
+    own: BaseException | None = None
     try:
-        command = COMMANDS.get(argv[0]) if argv else None
-        if command is not None and command.runs is not None:
-            # A command of its own: no LightningCLI (sweep starts fit processes).
-            module, function = command.runs.split(":")
-            code = getattr(importlib.import_module(module), function)(argv[1:])
-            if code:
+        with _quiet_libraries():
+            command = COMMANDS.get(argv[0]) if argv else None
+            if command is None or command.runs is None:
+                build_cli(argv, folders=folders)
+            elif code := pkgutil.resolve_name(command.runs)(argv[1:]):  # a command of its own, without LightningCLI
                 sys.exit(code)
-            return
-        build_cli(args, started=started, folders=folders)
     except Exception as err:
-        code, line = _verdict(err, getattr(started[0], "trainer", None) if started else None)
-        if code is None:
-            # The user's code, another library or the engine: the traceback is the report. Say first whose code it is.
-            blame.print_user_code_line(err)
+        own = _report(err, folders)
+        if own is err:
             raise
-        if code in (2, 3):
-            # A mistake or the disk: a folder this command created is removed again, unless training had started.
-            folders.discard_unstarted()
-        if full_traceback():
-            traceback.print_exc()
-        print(f"error: {line}", file=sys.stderr)
-        sys.exit(code)
     finally:
         folders.release()
         if args is not None:
             # Called from Python, which goes on. Run as the program (argv), the process ends with the command: the
             # run's handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.
             restore_signal_handlers(handlers)
+    if own is not None:
+        raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 
 
-def _verdict(err: Exception, trainer: Trainer | None) -> tuple[int | None, str]:
-    """The exit code and the one line for a mistake (2), a failure of the disk (3) or a rank of the job that died
-    (128 + its signal, or its exit code); (None, "") for anything else."""
-    if (config := config_error_in(err)) is not None:
-        return 2, str(config)
-    if (disk := disk_error_in(err)) is not None:
-        return 3, str(disk)
-    if (dead := dead_rank(err, trainer)) is not None:
-        return dead.exit_code, f"{dead.line()} ({TRACEBACK_VARIABLE}=1 shows this rank's traceback)"
-    if blame.user_function_calling(err) is None and blame.refused_by(err, package="lightning") is not None:
-        # Lightning alone refused a Trainer setting when it met the data (val_check_interval above an epoch's batches).
-        return 2, explain_trainer_error(one_line(blame.root_cause(err)))
-    return None, ""
+def _report(err: Exception, folders: RunFolders) -> BaseException:
+    """A mistake (2), the disk (3) or a dead rank: its line, and the process ends with its exit code. Else the line
+    naming the user's function that raised, and the exception to raise with its traceback."""
+    found = blame.verdict(err, dead=lambda e: _dead_rank(e, folders.trainer))
+    if found is None:
+        if (line := blame.user_code_line(err)) is not None:
+            print(line, file=sys.stderr, flush=True)
+        return blame.users_exception(err)
+    code, line = found
+    if code in (2, 3):
+        folders.discard_unstarted()  # a folder this command created is removed again, unless training had started
+    if full_traceback():
+        traceback.print_exception(err)
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _dead_rank(err: BaseException, trainer: Trainer | None) -> tuple[int, str] | None:
+    """The exit code and the line for the rank of the job whose death made this process fail with ``err``."""
+    dead = dead_rank(err, trainer)
+    if dead is None:
+        return None
+    return dead.exit_code, f"{dead.line()} ({TRACEBACK_VARIABLE}=1 shows this rank's traceback)"

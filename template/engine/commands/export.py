@@ -1,10 +1,6 @@
-"""Portable weights: export the bare network's ``state_dict`` and load weights saved by any common wrapper.
-
-``python -m template export CKPT [--output FILE]`` writes the plain ``state_dict`` of the network inside a
-Lightning checkpoint; ``load_weights`` loads that, a Lightning checkpoint, or a plain-PyTorch checkpoint saved from
-``DataParallel``/``DistributedDataParallel`` (``module.``) or ``torch.compile`` (``_orig_mod.``) into a bare module.
-``--format onnx`` writes the network (or, with ``--module``, the LightningModule) as an ONNX graph instead, checked in
-ONNX Runtime before the file is put in place.
+"""``python -m template export CKPT``: the network inside a Lightning checkpoint as a plain ``state_dict``, or with
+``--format onnx`` as an ONNX graph checked in ONNX Runtime. ``load_weights`` loads that, a Lightning checkpoint, or
+a plain-PyTorch one saved from ``DataParallel``/``DistributedDataParallel`` or ``torch.compile`` into a bare module.
 """
 
 from __future__ import annotations
@@ -16,9 +12,9 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -79,23 +75,10 @@ def load_weights(
     return module
 
 
-def export(checkpoint_path: str | os.PathLike, output: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> Path:
-    """Write the plain network ``state_dict`` of ``checkpoint_path`` to ``output`` (atomically); returns ``output``."""
-    output = Path(output)
-    state = extract_state_dict(checkpoints.load(checkpoint_path), prefix, source=f"'{checkpoint_path}'")
-    if output.resolve() == Path(checkpoint_path).resolve():
-        raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
-    # atomic: nothing is left at --output (the temporary is removed, a previous file untouched).
-    with disk_errors(output, kept="nothing was written at --output", option="--output"):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(state, output)
-    return output
-
-
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse reporting a mistake as one ``error:`` line (through ``cli.main``), not usage text."""
+    """argparse raising what it refuses as a ConfigError (``cli.main`` reports it in one line), not printing usage."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
 
 
@@ -129,14 +112,11 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         raise ConfigError(f"'{checkpoint_path}' does not fit the config's model: {one_line(str(err))[:300]}") from None
     target = (cli.model if module else cli.model.get_submodule(prefix.rstrip("."))).cpu().eval()
     x = _example_input(cli.datamodule).cpu()
-    quiet = io.StringIO()  # torch.export prints its graphs when it fails, and warns of torchvision's operators
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        warnings.simplefilter("ignore")
-        try:
+    try:
+        with _quiet():
             program = torch.onnx.export(target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"])
-        except torch.onnx.OnnxExporterError as err:
-            raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
+    except torch.onnx.OnnxExporterError as err:
+        raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
     temporary = output.with_name(f".{output.name}.export")
     with disk_errors(output, kept="nothing was written at --output", option="--output"):
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +132,20 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         finally:
             temporary.unlink(missing_ok=True)
     return f"checked in ONNX Runtime on batches of {len(x)} and 1: |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export's output silenced: it prints its graphs when it fails, and warns of torchvision's operators."""
+    logger, quiet = logging.getLogger("torch"), io.StringIO()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _example_input(datamodule: LightningDataModule) -> Tensor:
@@ -192,13 +186,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.format == "weights" and (args.module or args.config):
         raise ConfigError("--module and --config are for --format onnx; the weights need neither")
-    suffix = ".onnx" if args.format == "onnx" else ".pt"
-    output = Path(args.output) if args.output else Path(args.ckpt_path).with_suffix(suffix)
+    output = Path(args.output or Path(args.ckpt_path).with_suffix(".onnx" if args.format == "onnx" else ".pt"))
+    if output.resolve() == Path(args.ckpt_path).resolve():
+        raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
     if args.format == "onnx":
-        if output.resolve() == Path(args.ckpt_path).resolve():
-            raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
         checked = export_onnx(args.ckpt_path, output, args.config or [], args.prefix, args.module)
         print(f"Wrote {output}, {checked}: onnxruntime.InferenceSession('{output}').run(None, {{'input': x}})")
         return
-    written = export(args.ckpt_path, output, args.prefix)
-    print(f"Wrote {written}: net.load_state_dict(torch.load('{written}', weights_only=True))")
+    state = extract_state_dict(checkpoints.load(args.ckpt_path), args.prefix, source=f"'{args.ckpt_path}'")
+    with disk_errors(output, kept="nothing was written at --output", option="--output"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(state, output)  # atomic: a failed write leaves nothing at --output
+    print(f"Wrote {output}: net.load_state_dict(torch.load('{output}', weights_only=True))")

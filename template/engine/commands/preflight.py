@@ -1,15 +1,10 @@
-"""The mistakes a run would meet only later, found before it writes anything, in the order the run would meet them.
-
-The classes are built first (LightningCLI, values a library refuses become one line in ``engine/cli.py``); then, here:
-the Trainer's counts that Lightning leaves unchecked, the optimizers and schedulers built from the module's parameters
-as ``configure_optimizers`` will build them, and last the run's folder, created, proven writable and claimed
-(``engine/run.py``). What depends on the data (``val_check_interval`` against the batches of an epoch, a monitored
-metric the module never logs) is met at the sanity check; a run stopped there leaves no folder behind.
+"""Mistakes found before a run writes anything: in the config files, each named by its file; then the Trainer's
+counts Lightning leaves unchecked, and the optimizers and schedulers built over the module's parameters as
+``configure_optimizers`` will build them (``cli.py`` claims the run's folder after these).
 """
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -56,11 +51,8 @@ def check_strategy(trainer: Any, model: LightningModule) -> None:
 
 def build_optimizers(config: Any, model: LightningModule) -> None:
     """Build every optimizer and learning-rate scheduler the config names (the module's own arguments and
-    LightningCLI's ``optimizer``/``lr_scheduler``) over the module's parameters, then drop them.
-
-    A value the optimizer refuses (a negative learning rate) or a module without parameters is one line here,
-    instead of a traceback from inside fit after the run's folder was written.
-    """
+    LightningCLI's ``optimizer``/``lr_scheduler``) over the module's parameters, then drop them: a value one refuses
+    (a negative learning rate) or a module without parameters is one line here, not a traceback from inside fit."""
     optimizers, schedulers = optimizer_options(config)
     if not optimizers and not schedulers:
         return
@@ -74,29 +66,25 @@ def build_optimizers(config: Any, model: LightningModule) -> None:
         )
     built = None
     for option in optimizers:
-        built = _build(config, option, (parameters,))
+        built = _build(config, option, parameters)
     for option in schedulers:
-        optimizer = built if built is not None else torch.optim.SGD(parameters, lr=0.1)
-        scheduler = _build(config, option, (optimizer,))
-        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            # Some values fail only when the schedule is computed (StepLR's step_size=0): compute one step of it,
-            # on this throwaway optimizer (the module's own are built by configure_optimizers).
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose here
-                _run(config, option, scheduler.step)
+        _build(config, option, built if built is not None else torch.optim.SGD(parameters, lr=0.1))
 
 
-def _build(config: Any, option: str, args: tuple) -> Any:
+def _build(config: Any, option: str, over: Any) -> Any:
+    """The class of ``option`` built over ``over`` (parameters, or an optimizer); a value it refuses, one line. A
+    scheduler computes one step too, as some values fail only then (StepLR's step_size=0)."""
     init_args = config.get(f"{option}.init_args")
     init = {"class_path": config.get(f"{option}.class_path"), "init_args": init_args.as_dict() if init_args else {}}
-    return _run(config, option, lambda: instantiate_class(args, init))
-
-
-def _run(config: Any, option: str, call: Callable[[], Any]) -> Any:
     try:
-        return call()
+        built = instantiate_class((over,), init)
+        if not isinstance(built, (torch.optim.Optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose here
+                built.step()
+        return built
     except Exception as err:
-        refused = blame.refusal(err, option, blame.leaves(config, f"{option}.init_args"))
+        refused = blame.refusal(err, option, blame.flat(init_args, f"{option}.init_args."))
         if refused is None:
             raise
         raise refused from None
@@ -105,9 +93,7 @@ def _run(config: Any, option: str, call: Callable[[], Any]) -> Any:
 def _class_paths(config: Any) -> dict[str, str]:
     """Every ``class_path`` in the config, by the option that holds it."""
     return {
-        key.removesuffix(".class_path"): value
-        for key, value in config.items()
-        if key.endswith(".class_path") and isinstance(value, str)
+        k.removesuffix(".class_path"): v for k, v in config.items() if k.endswith(".class_path") and isinstance(v, str)
     }
 
 
@@ -115,7 +101,7 @@ def optimizer_options(config: Any) -> tuple[list[str], list[str]]:
     """The options of the config naming an optimizer class, and those naming a learning-rate scheduler."""
     optimizers, schedulers = [], []
     for option, path in _class_paths(config).items():
-        cls = _resolve(path)
+        cls = blame.located(path)
         if not isinstance(cls, type):
             continue
         if issubclass(cls, torch.optim.Optimizer):
@@ -126,38 +112,34 @@ def optimizer_options(config: Any) -> tuple[list[str], list[str]]:
 
 
 def _is_network(path: str) -> bool:
-    cls = _resolve(path)
+    cls = blame.located(path)
     return isinstance(cls, type) and issubclass(cls, nn.Module) and not issubclass(cls, LightningModule)
 
 
-def _resolve(path: str) -> Any:
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None
+CONFIG_OPTIONS = ("--config", "-c")
 
 
-OPTIONS = ("--config", "-c")
+def split_options(argv: list[str], *options: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """The arguments that set ``options``, as (option, value) in order (``--x v`` or ``--x=v``; an option ending in
+    "." stands for every option under it: ``--sweep.`` for ``--sweep.n_trials 3``), and the other arguments."""
+    taken, rest = [], []
+    under = tuple(option for option in options if option.endswith("."))
+    args = iter(argv)
+    for arg in args:
+        option, equals, value = arg.partition("=")
+        if option not in options and not option.startswith(under):
+            rest.append(arg)
+        elif equals or (value := next(args, None)) is not None:
+            taken.append((option, value))
+        else:
+            rest.append(arg)  # no value: the parser says so
+    return taken, rest
 
 
 def split(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The values given to ``--config`` (``--config x``, ``-c x``, ``--config=x``), in order, and the other
-    arguments."""
-    configs, rest = [], []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in OPTIONS and i + 1 < len(argv):
-            configs.append(argv[i + 1])
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            configs.append(arg.split("=", 1)[1])
-        else:
-            rest.append(arg)
-        i += 1
-    return configs, rest
+    """The values given to ``--config`` (``--config x``, ``-c x``, ``--config=x``) in order, and the other arguments."""
+    taken, rest = split_options(argv, *CONFIG_OPTIONS)
+    return [value for _, value in taken], rest
 
 
 def read(value: str) -> dict[str, Any]:
@@ -196,12 +178,9 @@ def read(value: str) -> dict[str, Any]:
 
 
 def check_sections(files: dict[str, dict[str, Any]], sections: Any, config: Any) -> None:
-    """A ConfigError for a config file whose section (``trainer:``, ``checkpoint:``...) is not a mapping.
-
-    jsonargparse takes ``trainer:`` written as a list as "no trainer options" and silently resets every setting an
-    earlier file made; a section is a mapping of options, or a class path where the option takes a class.
-    ``sections``: the parser's groups; ``config``: the parsed configuration.
-    """
+    """A ConfigError for a config file whose section (``sections``: the parser's groups) is neither a mapping of
+    options nor a class path where the option takes a class: jsonargparse takes ``trainer:`` written as a list as
+    "no trainer options" and silently resets every setting an earlier file made."""
     for path, content in files.items():
         for key, value in content.items():
             if key not in sections or value is None or isinstance(value, dict):

@@ -1,8 +1,6 @@
-"""What the command line adds to a Trainer: the functions below build each piece from the parsed configuration.
-
-``engine/cli.py`` calls them from LightningCLI's hooks and nothing else adds to a run. Each piece that changes the
-run carries its ``announcement`` (``engine/mechanism.py``): what it does and the option that switches it off, which
-the run's first lines list.
+"""What the command line adds to a Trainer, each piece built from the parsed configuration; ``cli.py`` calls these
+from LightningCLI's hooks. A piece that changes the run carries its ``announcement`` (``logs.console.Mechanism``):
+what it does and the option that switches it off, listed in the run's first lines.
 """
 
 from __future__ import annotations
@@ -10,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,13 +16,12 @@ from typing import Any
 import torch
 from jsonargparse import Namespace
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ProgressBar
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from template.engine.errors import ConfigError, explain_trainer_error, one_line
+from template.engine.errors import ConfigError
 from template.engine.internals import PROCESS_GROUP_STRATEGIES, skip_idle_step_hooks
 from template.engine.jobs.preemption import Preemption
 from template.engine.jobs.watchdog import HangWatchdog
@@ -57,7 +54,7 @@ def loggers(
         return {}
     if logger is False:
         raise ConfigError("trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them")
-    return {"logger": [*(logger if isinstance(logger, list) else [logger]), *trackers]}
+    return {"logger": [*_listed(logger), *trackers]}
 
 
 def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +121,7 @@ def callbacks(
     """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitor's check, preemption,
     the run's provenance, its tracker runs (with ``trackers`` or a tracker as ``trainer.logger``), the weights'
     average (``ema``) and periodic saves."""
-    configured = trainer_config.get("callbacks") or []
+    configured = _listed(trainer_config.get("callbacks"))
     added: list[Callback] = []
     if trainer_config.get("enable_progress_bar") is not False and not any(
         isinstance(c, ProgressBar) for c in configured
@@ -133,9 +130,8 @@ def callbacks(
         added.append(TimedProgressBar(refresh_rate=10))
     if subcommand == "fit":
         check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
-        monitors = _monitors(monitor, configured if isinstance(configured, list) else [configured])
-        logger = trainer_config.get("logger")
-        tracked = has_trackers([*(trackers or []), *(logger if isinstance(logger, list) else [logger])])
+        monitors = _monitors(monitor, configured)
+        tracked = has_trackers([*(trackers or []), *_listed(trainer_config.get("logger"))])
         added += [*([MonitorCheck(monitors)] if monitors else []), *([TrackerRuns()] if tracked else [])]
         added += [LogsBeforeCheckpoints()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
@@ -143,9 +139,7 @@ def callbacks(
         # user's): the checkpoints written there hold this batch's changes. Provenance records the signal it stopped on.
         preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
         added += [*preemption, Provenance(), *periodic_checkpoint(run)]
-    if not added:
-        return {}
-    return {"callbacks": [*(configured if isinstance(configured, list) else [configured]), *added]}
+    return {"callbacks": [*configured, *added]} if added else {}
 
 
 def check_devices(trainer_config: dict[str, Any]) -> None:
@@ -161,7 +155,7 @@ def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: An
     """What needs the built Trainer: matmul precision, the launcher's process count, and idle per-batch hooks
     skipped on every callback but the user's (``configured``, the config's callbacks)."""
     apply_matmul_precision(matmul_precision, trainer)
-    users = {id(c) for c in (configured if isinstance(configured, list) else [configured] if configured else [])}
+    users = {id(c) for c in _listed(configured)}
     for callback in trainer.callbacks:
         if id(callback) not in users:
             skip_idle_step_hooks(callback)
@@ -172,20 +166,9 @@ def after_trainer(trainer: Trainer, matmul_precision: str | None, configured: An
         launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
 
 
-def trainer_errors_as_config_errors(build: Callable[[], Trainer], trainer_config: dict[str, Any]) -> Trainer:
-    """``build()`` (the checks above, the Trainer, ``after_trainer``), with Lightning's complaints about the Trainer
-    settings turned into one-line ConfigErrors."""
-    try:
-        return build()
-    except (MisconfigurationException, ValueError) as err:
-        raise ConfigError(explain_trainer_error(one_line(err))) from None
-    except TypeError as err:
-        if "devices" not in str(err):
-            raise
-        raise ConfigError(
-            f"trainer.devices={trainer_config.get('devices')!r} is not valid on the CPU: CPU devices are a number "
-            "of processes (>= 1), not indices; set e.g. --trainer.devices=2"
-        ) from None
+def _listed(value: Any) -> list[Any]:
+    """A config's callbacks or loggers as a list: it may give one, a list, or none."""
+    return value if isinstance(value, list) else [] if value is None else [value]
 
 
 def _monitors(checkpoint_monitor: str | None, configured: list[Any]) -> dict[str, str]:
@@ -212,11 +195,8 @@ RESULTS = "test-results.json"
 
 
 def evaluate_best(trainer: Trainer, model: LightningModule, datamodule: LightningDataModule | None) -> None:
-    """Run ``trainer.test`` on the fit's best checkpoint (its last weights when no metric chose one).
-
-    The same Trainer logs the test metrics into the run's own logs (``metrics.csv``, TensorBoard, trackers), and
-    rank zero writes them, with the checkpoint they come from, to ``<run folder>/test-results.json``.
-    """
+    """``trainer.test`` on the fit's best checkpoint (its last weights when no metric chose one), logged into the
+    run's own logs; rank zero writes the metrics and their checkpoint to ``<run folder>/test-results.json``."""
     callback = trainer.checkpoint_callback
     best = getattr(callback, "best_model_path", "") or None
     rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")

@@ -1,5 +1,7 @@
-"""User mistakes as one line: the exception the command line reports without a traceback, and the translation of
-library messages (jsonargparse, Lightning) into a line that names the bad value and the fix."""
+"""User mistakes as one line: ConfigError (exit code 2) and DiskError (3), and library messages (jsonargparse,
+Lightning) made into a line naming the bad value and the fix. ``blame.verdict`` is the one way from an exception to
+an ``error:`` line. Uses nothing of the engine.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +11,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-
-from lightning.pytorch.strategies import StrategyRegistry
+from typing import Any
 
 # Set to 1: an `error:` line that stands for an exception (a mistake's, a dead rank's) is preceded by its traceback.
 TRACEBACK_VARIABLE = "FULL_TRACEBACK"
@@ -24,23 +25,38 @@ def full_traceback() -> bool:
 class ConfigError(Exception):
     """A mistake in the user's configuration or input; the message names the bad value and the fix."""
 
-    # jsonargparse keeps only the text of an error raised while it builds an object inside a Union-typed option
-    # (trainer.logger, trainer.callbacks): the newest ConfigError is remembered so that it can still be found.
-    newest: ConfigError | None = None
 
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        ConfigError.newest = self
+class DiskError(Exception):
+    """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix."""
 
 
-def one_line(message: str) -> str:
-    """Squeeze a multi-line library message into one line, dropping the usage noise around it."""
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    return " ".join(lines)
+def one_line(message: object) -> str:
+    """A multi-line library message squeezed into one line."""
+    return " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
+def chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err``, then what caused it (``__cause__``, else ``__context__``), down to the first exception."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def config_error_in(err: BaseException) -> ConfigError | None:
+    """The ConfigError in ``err``'s chain, if any."""
+    return next((e for e in chain(err) if isinstance(e, ConfigError)), None)
+
+
+def parser_error(err: BaseException, prefix: str = "") -> ConfigError:
+    """The one-line ConfigError for what a command-line parser raised (jsonargparse's or argparse's ArgumentError,
+    or a ConfigError from the code it ran), ``prefix`` before it."""
+    return ConfigError(f"{prefix}{config_error_in(err) or explain_parser_error(str(err))}")
 
 
 def explain_parser_error(message: str) -> str:
-    """Turn jsonargparse's message into: what is wrong, with which value, and what to do."""
+    """jsonargparse's message as: what is wrong, with which value, and what to do."""
     text = one_line(message)
     help_hint = "run with --help to list the valid options"
     if m := re.search(r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'", text):
@@ -109,14 +125,22 @@ def _first_reason(details: str) -> str:
     return details[:300]
 
 
-def explain_trainer_error(text: str) -> str:
-    """Lightning's complaint about the Trainer settings; GPU indices are explained against the visible GPUs."""
+def explain_trainer_error(text: str, devices: Any = None) -> str:
+    """Lightning's complaint about the Trainer settings (``devices``: trainer.devices, where known); GPU indices are
+    explained against the visible GPUs."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     note = f" (CUDA_VISIBLE_DEVICES={visible} hides the others and renumbers these from 0)" if visible else ""
     if m := re.search(r"You requested gpu: (\[.*?\]) But your machine only has: (\[.*?\])", text):
         return (
             f"trainer.devices asks for GPU index(es) {m.group(1)} but the GPUs visible to this process are "
             f"{m.group(2)}{note}; list only those, or set `devices: N` for the first N"
+        )
+    if "`devices` selected with `CPUAccelerator`" in text:
+        return (
+            f"trainer.devices={devices!r} is not valid on the CPU: CPU devices are a number of processes (>= 1), not "
+            "indices; set e.g. --trainer.devices=2"
         )
     if "No supported gpu backend found" in text or "GPUs requested but none are available" in text:
         return f"trainer.accelerator asks for a GPU but this process sees none{note}; use accelerator cpu or auto"
@@ -128,80 +152,43 @@ def explain_trainer_error(text: str) -> str:
     return f"invalid trainer settings: {text}"
 
 
-def chain(err: BaseException | None) -> Iterator[BaseException]:
-    """``err``, then what caused it (``__cause__``, else ``__context__``), down to the first exception."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
-
-
-def config_error_in(err: BaseException) -> ConfigError | None:
-    """The ConfigError that caused ``err``, if any: in the exception chain, or quoted in its message."""
-    found = next((e for e in chain(err) if isinstance(e, ConfigError)), None)
-    if found is not None:
-        return found
-    newest = ConfigError.newest
-    return newest if newest is not None and str(newest) and str(newest) in str(err) else None
-
-
-class DiskError(Exception):
-    """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix."""
-
-
-# The failures a user fixes on the filesystem rather than in the code or the config.
-_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_DISK_ERRNOS = _FULL | {
-    errno.EROFS,
-    errno.EACCES,
-    errno.EPERM,
-    errno.ENOTDIR,
-    errno.ENAMETOOLONG,
-    errno.EISDIR,
-    errno.ENOENT,
-    errno.ELOOP,
-    errno.EEXIST,
-}
 ROOT_OPTION = "--trainer.default_root_dir"
+# The failures a user fixes on the filesystem rather than in the code or the config, and how; ENOTDIR and EEXIST
+# (a file where a folder should be) name the file.
+_FULL = "free space there or set {option} to another disk, then run the same command again"
+_NOT_YOURS = "this user may not write there; set {option} to a folder you can write to, or fix its permissions"
+_FIXES = {
+    errno.ENOSPC: _FULL,
+    errno.EDQUOT: _FULL,
+    errno.EFBIG: _FULL,
+    errno.EROFS: "the disk is mounted read-only; set {option} to a folder on a writable disk",
+    errno.EACCES: _NOT_YOURS,
+    errno.EPERM: _NOT_YOURS,
+    errno.ENAMETOOLONG: "a name in the path is longer than the filesystem allows; choose a shorter --run.name or "
+    "{option}",
+    errno.EISDIR: "a folder has the name of the file to write; move it away or choose another {option}",
+    errno.ENOENT: "a folder on the way to it does not exist (removed while running?); create it or set {option}",
+    errno.ELOOP: "too many symbolic links on the way to it; fix the links or set {option} to a real folder",
+}
 
 
 def disk_error(err: OSError, path: str | os.PathLike, kept: str, option: str = ROOT_OPTION) -> DiskError | None:
-    """A one-line DiskError for ``err`` while writing ``path`` (``kept``: what is still intact), or None.
-
-    The line names the path, the errno and a fix that fits it; ``option`` is the one that chose the place.
-    """
-    if err.errno not in _DISK_ERRNOS:
-        return None
-    if err.errno == errno.EEXIST:
-        if _file_on_the_way(err.filename if isinstance(err.filename, str) else path) is None:
+    """A one-line DiskError for ``err`` while writing ``path``, naming a fix that fits it and the ``option`` that
+    chose the place (``kept``: what is still intact); None for an error that is not the disk's."""
+    if err.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocking = _file_on_the_way(err.filename if isinstance(err.filename, str) else path)
+        if err.errno == errno.EEXIST and blocking is None:
             return None  # a folder that exists already: the caller's mistake, not the disk's
         # mkdir(exist_ok=True) on a file says "File exists": the user's problem is a file where a folder should be.
         err = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), err.filename)
-    reason = err.strerror or os.strerror(err.errno)
-    path = os.path.normpath(path)
-    return DiskError(f"cannot write {path}: {reason} [Errno {err.errno}]; {_fix(err, path, option)} ({kept})")
-
-
-def _fix(err: OSError, path: str, option: str) -> str:
-    code = err.errno
-    if code in _FULL:
-        return f"free space there or set {option} to another disk, then run the same command again"
-    if code == errno.EROFS:
-        return f"the disk is mounted read-only; set {option} to a folder on a writable disk"
-    if code in (errno.EACCES, errno.EPERM):
-        return f"this user may not write there; set {option} to a folder you can write to, or fix its permissions"
-    if code in (errno.ENOTDIR, errno.EEXIST):
-        blocking = _file_on_the_way(err.filename if isinstance(err.filename, str) else path)
         where = f"'{blocking}' is a file, not a folder" if blocking else "a part of the path is a file, not a folder"
-        return f"{where}; move it away or choose another {option}"
-    if code == errno.ENAMETOOLONG:
-        return f"a name in the path is longer than the filesystem allows; choose a shorter --run.name or {option}"
-    if code == errno.EISDIR:
-        return f"a folder has the name of the file to write; move it away or choose another {option}"
-    if code == errno.ENOENT:
-        return f"a folder on the way to it does not exist (removed while running?); create it or set {option}"
-    return f"too many symbolic links on the way to it; fix the links or set {option} to a real folder"
+        fix = f"{where}; move it away or choose another {option}"
+    elif err.errno in _FIXES:
+        fix = _FIXES[err.errno].format(option=option)
+    else:
+        return None
+    reason = err.strerror or os.strerror(err.errno)
+    return DiskError(f"cannot write {os.path.normpath(path)}: {reason} [Errno {err.errno}]; {fix} ({kept})")
 
 
 def _file_on_the_way(path: str) -> str | None:
@@ -214,21 +201,17 @@ def _file_on_the_way(path: str) -> str | None:
 
 
 def disk_error_in(err: BaseException) -> DiskError | None:
-    """The DiskError that ``err`` is or was caused by, or one for an OSError of the disk in its chain; else None.
-
-    A missing file counts only where the folder that should hold it is missing too (a folder vanished): a
-    missing input file is the caller's to report.
-    """
+    """The DiskError in ``err``'s chain, or one for an OSError of the disk there. A missing file counts only where
+    its folder is missing too (a folder vanished): a missing input file is the caller's to report."""
     for cause in chain(err):
         if isinstance(cause, DiskError):
             return cause
         if isinstance(cause, OSError) and isinstance(cause.filename, (str, os.PathLike)):
-            vanished = cause.errno != errno.ENOENT or not os.path.isdir(
-                os.path.dirname(os.path.abspath(cause.filename))
-            )
-            found = disk_error(cause, cause.filename, kept="nothing else was changed") if vanished else None
-            if found is not None:
-                return found
+            folder = os.path.dirname(os.path.abspath(cause.filename))
+            if cause.errno != errno.ENOENT or not os.path.isdir(folder):
+                found = disk_error(cause, cause.filename, kept="nothing else was changed")
+                if found is not None:
+                    return found
     return None
 
 
