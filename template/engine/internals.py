@@ -372,3 +372,13 @@ def checkpoint_wrapper(module: nn.Module) -> nn.Module:
         name = "distributed.algorithms._checkpoint.checkpoint_wrapper"
         raise _changed("torch", name, "fsdp checkpoint_layers") from None
     return wrap(module)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optuna: the sweep's sampler
+
+
+def queued_values(trial: Any) -> dict[str, Any]:
+    """The values ``study.enqueue_trial`` gave a trial (a FrozenTrial): Optuna keeps them in a system attribute that
+    its trials read, and offers no public accessor."""
+    return trial.system_attrs.get("fixed_params", {})

@@ -385,7 +385,7 @@ def test_fit_and_sweep_refuse_a_config_file_with_the_same_line(
 ) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     from template.engine.errors import ConfigError
-    from template.engine.sweep.options import parse_command
+    from template.engine.sweep.options import SWEEP, Configs
 
     text, fragment = BAD_FILES[name]
     if text is not None:
@@ -393,7 +393,7 @@ def test_fit_and_sweep_refuse_a_config_file_with_the_same_line(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [PACKAGE])
     with pytest.raises(ConfigError) as sweep:
-        parse_command(["--config", str(CONFIGS / "sweep.yaml"), "--config", name])
+        Configs(["--config", str(CONFIGS / "sweep.yaml"), "--config", name], SWEEP)
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", name])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]

@@ -122,7 +122,7 @@ class NoProtocol(Unlabelled):
 
 
 REFUSED = {
-    "folds < 2": (["--cv.folds=1"], "cv.folds=1: cross-validation needs at least 2 folds"),
+    "folds < 2": (["--cv.folds=1"], "invalid value '1' for 'cv.folds'; expected a value >= 2"),
     "more folds than the smallest class": (["--cv.folds=400"], "use at most"),
     "more folds than samples": (
         ["--cv.folds=11", "--data=tests.sweep.test_cv.Unlabelled", "--data.samples=10"],

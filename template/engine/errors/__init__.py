@@ -72,6 +72,8 @@ def explain_parser_error(message: str) -> str:
             f"options: --{option}=<class path> --{option}.{key}=... (for fsdp: {fsdp}; in YAML class_path and "
             "init_args)"
         )
+    if m := re.search(r'Parser key "([^"]+)": Not of type \S+: (.*?) does not conform', text):
+        return f"invalid value {m.group(2)!r} for '{m.group(1)}'; {_restriction(text)}"
     # jsonargparse words the rejected value "Given value type: T, value: V" or "... Given value: V".
     if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$', text):
         return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
@@ -85,11 +87,20 @@ def explain_parser_error(message: str) -> str:
 def _first_reason(details: str) -> str:
     """jsonargparse lists why each member of a Union rejected a value; the first is usually the useful one."""
     details = details.strip(" -")
+    if (restriction := _restriction(details)) is not None:
+        return restriction
     if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
         return f"expected one of {', '.join(choices)}"
     if types := re.findall(r"Expected a <class '([\w.]+)'>", details):
         return "expected " + " or ".join("null" if t == "NoneType" else t for t in types)
     return details[:300]
+
+
+def _restriction(text: str) -> str | None:
+    """The range of a restricted number type (jsonargparse.typing's PositiveInt, restricted_number_type) in words."""
+    if m := re.search(r"does not conform to restriction (v\S+(?: (?:and|or) v\S+)*)", text):
+        return "expected a value " + re.sub(r"v([<>=!]+)", r"\1 ", m.group(1))
+    return None
 
 
 def explain_trainer_error(text: str) -> str:

@@ -13,6 +13,7 @@ from typing_extensions import override
 from template.engine.errors import ConfigError
 from template.engine.strategies.devices import process_devices
 
+REPORTER = f"{__name__}.ObjectiveReporter"  # the class path a trial's config names
 REPORTS = "objective.jsonl"
 NOT_LOGGED = "the sweep's objective"
 MEMORY_FRACTION = "SWEEP_GPU_MEMORY_FRACTION"  # sweep.gpu_memory_fraction, handed to the trial (and its DDP ranks)

@@ -19,6 +19,8 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from template.engine.internals import queued_values
+
 _DRAWS = 10  # proposals from the sweep's sampler, then as many uniform ones, before a finite space is searched
 _GRID = 100_000  # the most points of a finite space listed to find one no trial has
 _TAKEN = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
@@ -102,11 +104,6 @@ def _draw(
         if name not in values:
             values[name] = sampler.sample_independent(study, trial, name, distribution)
     return values
-
-
-def queued_values(trial: FrozenTrial) -> dict[str, Any]:
-    """The values ``enqueue_trial`` gave a trial (Optuna keeps them in a system attribute its trials read)."""
-    return trial.system_attrs.get("fixed_params", {})
 
 
 def _values(trial: FrozenTrial) -> dict[str, Any]:
