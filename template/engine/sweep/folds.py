@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import logging.handlers
 import pydoc
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ def prepare(configs: Configs, k: int, stratify: bool) -> tuple[str, dict[str, An
     config = configs.complete({FOLD: 0})
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningDataModule, "data")
-    splits, level = _Records(), log.level
+    splits, level = logging.handlers.BufferingHandler(capacity=1000), log.level
     log.addHandler(splits)
     log.setLevel(logging.DEBUG)
     try:
@@ -87,7 +88,7 @@ def prepare(configs: Configs, k: int, stratify: bool) -> tuple[str, dict[str, An
     finally:
         log.removeHandler(splits)
         log.setLevel(level)
-    split = splits.records[-1] if splits.records else None
+    split = splits.buffer[-1] if splits.buffer else None
     if stratify and (split is None or split.kind != "stratified by label"):
         raise ConfigError(
             f"cv.stratify=true, but {data['class_path']} gives fold_indices no labels; pass labels= to it, or drop "
@@ -96,12 +97,3 @@ def prepare(configs: Configs, k: int, stratify: bool) -> tuple[str, dict[str, An
     said = f"{split.samples} samples, {split.kind}" if split else f"its samples, split by {data['class_path']}"
     config["data"]["init_args"]["fold"] = None
     return f"{k} folds of {said}", config
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)

@@ -147,8 +147,12 @@ class Configs:
         """The full fit config of the arguments with ``values`` (option -> value) set, as plain data."""
         given = {**self.fixed, **values}
         args = [*self.argv, *(f"--{key}={json.dumps(value)}" for key, value in given.items())]
-        config = _parsed(lambda: self.cli.parse_arguments(self.cli.parser, args) or self.cli.config, what)
-        config = yaml.safe_load(self.cli.parser.dump(config, skip_none=False))
+
+        def parse() -> Any:
+            self.cli.parse_arguments(self.cli.parser, args)
+            return self.cli.config
+
+        config = yaml.safe_load(self.cli.parser.dump(_parsed(parse, what), skip_none=False))
         return {key: value for key, value in config.items() if key not in self.sections}
 
 
@@ -210,10 +214,3 @@ def _distribution(key: str, spec: Any) -> BaseDistribution:
         return KINDS[kind](**fields)
     except (ValueError, TypeError) as err:  # Optuna's checks: low <= high, log with low > 0, step > 0, choices...
         raise ConfigError(f"{where}: {str(err).rstrip('.')}; fix that entry of sweep.space") from None
-
-
-def example(distribution: BaseDistribution) -> Any:
-    """A value of the distribution, to check that the fit parser takes its option."""
-    if isinstance(distribution, CategoricalDistribution):
-        return distribution.choices[0]
-    return distribution.low

@@ -1,10 +1,8 @@
 """The sweep's sampler: Optuna's TPE or random sampler, seeded per trial number, never proposing taken values.
 
-Optuna's own seeded sampler draws one sequence per process: a restarted sweep replays it from the start (it proposes
-a finished trial's values again) and workers with the same seed propose the same values at once. Here each trial's
-proposal is drawn by a fresh sampler seeded from ``(sweep.seed, trial number)``: the same study history and seed give
-the same proposal for a number whether the sweep ran in one go, was restarted, or is shared by workers, which get
-different numbers and so different seeds.
+Optuna's seeded sampler draws one sequence per process: restarted, it proposes finished trials' values again, and
+workers with one seed propose the same values at once. Here a fresh sampler seeded from ``(sweep.seed, trial number)``
+draws each trial's proposal, the same for a number in one go, restarted, or shared by workers (other numbers).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from template.engine.runs import LOGS
 from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
 from template.engine.sweep.folds import FOLD, prepare
-from template.engine.sweep.options import CV, SWEEP, Configs, Sweep, example, print_help, search_space
+from template.engine.sweep.options import CV, SWEEP, Configs, Sweep, print_help, search_space
 from template.engine.sweep.results import write_results
 from template.engine.sweep.sampler import TrialSeeded
 
@@ -32,34 +32,25 @@ MORE_HELP = "\n--cv.folds=k (or a cv: section): each trial a k-fold cross-valida
 def run(argv: list[str], command: str) -> int:
     """Run or continue the sweep, or the cross-validation (``cv``: a study whose trials are the folds)."""
     if "-h" in argv or "--help" in argv:
-        print_help(command, CV if command == "cv" else {"sweep": SWEEP["sweep"]}, "" if command == "cv" else MORE_HELP)
+        print_help(command, CV if command == "cv" else {"sweep": Sweep}, "" if command == "cv" else MORE_HELP)
         return 0
     configs = _configs(argv, command)
     cv = configs.options["cv"]
     if command == "sweep":
+        sweep = configs.options["sweep"]
         if cv.folds:
-            print(
-                f"Sweep {configs.options['sweep'].name}: each trial {prepare(configs, cv.folds, cv.stratify)[0]}",
-                flush=True,
-            )
-        return run_study(configs.options["sweep"], configs, cv.folds or 0)
+            print(f"Sweep {sweep.name}: each trial {prepare(configs, cv.folds, cv.stratify)[0]}", flush=True)
+        return run_study(sweep, configs, cv.folds or 0)
     split, base = prepare(configs, cv.folds, cv.stratify)
     stems = "-".join(Path(path).stem for path in config_files.split(argv)[0]) or "cv"
     name = cv.name or f"{stems}-cv{cv.folds}-{hashlib.sha256(json.dumps(base).encode()).hexdigest()[:8]}"
     print(f"CV {name}: {split}", flush=True)
     folds = list(range(cv.folds))
-    sweep = Sweep(
-        name=name,
-        space={FOLD: {"type": "categorical", "choices": folds}},
-        n_trials=cv.folds,
-        workers=cv.workers,
-        storage=cv.storage,
-        objective=cv.objective,
-        pruner="none",
-        max_failures=1,  # it would fail again; the same command reruns it (the only fold value no trial has)
-        enqueue=[{FOLD: k} for k in folds],
-    )
-    return run_study(sweep, configs, title="CV")
+    space = {FOLD: {"type": "categorical", "choices": folds}}
+    # A failed fold would fail again: the cv stops, and the same command reruns it (the only fold no trial has).
+    sweep = Sweep(name, space, cv.folds, cv.workers, storage=cv.storage, objective=cv.objective, pruner="none")
+    sweep.max_failures, sweep.enqueue = 1, [{FOLD: k} for k in folds]
+    return run_study(sweep, configs, cv=True)
 
 
 def _configs(argv: list[str], command: str) -> Configs:
@@ -75,7 +66,7 @@ def _configs(argv: list[str], command: str) -> Configs:
         raise
 
 
-def run_study(sweep: Sweep, configs: Configs, folds: int = 0, title: str = "Sweep") -> int:
+def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) -> int:
     """Check the study against the fit config, then run (or continue) it and write its results; the exit code."""
     space = search_space(sweep)
     base = configs.complete({})
@@ -84,9 +75,8 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, title: str = "Swee
         raise ConfigError("the sweep has no objective; set sweep.objective or checkpoint.monitor to a logged metric")
     mode = base.get("checkpoint", {}).get("mode", "min")
     sweep.direction = sweep.direction or ("maximize" if mode == "max" else "minimize")
-    for key, distribution in space.items():
-        choices = distribution.choices if isinstance(distribution, CategoricalDistribution) else None
-        for value in choices or [example(distribution)]:
+    for key, d in space.items():  # each choice, or the lowest value, taken by the fit parser
+        for value in d.choices if isinstance(d, CategoricalDistribution) else [d.low]:
             configs.complete({key: value}, what=f"sweep.space['{key}']: ")
     for values in sweep.enqueue or []:
         configs.complete(values, what="sweep.enqueue: ")
@@ -107,12 +97,12 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, title: str = "Swee
             for values in sweep.enqueue:
                 study.enqueue_trial(values)
         gpus = slot_gpus(trainer, list(slots), sweep.trials_per_gpu)
+        title = "CV" if cv else "Sweep"
         code = Driver(sweep, space, configs, storage, study, folder, list(slots), gpus, folds, title).run()
         if code == 0:
-            write_results(study, folder, sweep.objective, cv=title == "CV")
-            print(
-                f"Dashboard: pip install optuna-dashboard && optuna-dashboard {_dashboard_url(sweep.storage, folder)}"
-            )
+            write_results(study, folder, sweep.objective, cv)
+            url = _without_password(sweep.storage) if sweep.storage else folder / JOURNAL
+            print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {url}")
         return code
     finally:
         for fd in slots.values():
@@ -159,10 +149,6 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
 
 def _without_password(url: str) -> str:
     return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
-
-
-def _dashboard_url(url: str | None, folder: Path) -> str:
-    return _without_password(url) if url else str(folder / JOURNAL)
 
 
 def open_study(
