@@ -152,6 +152,7 @@ def test_three_trials_share_a_faked_gpu_and_an_out_of_memory_trial_fails_alone(
 ) -> None:
     # The driver runs here with one GPU faked; its trials are real processes, on the CPU of this machine.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.syspath_prepend(str(REPO / "tests"))  # the driver here reads the trials' callback gpu_share.py too
     for key, value in cli_env(
         PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     ).items():

@@ -70,8 +70,8 @@ class Driver:
     folder: Path
     slots: list[str]
     gpus: dict[str, str]
+    title: str  # what its lines on the console start with
     folds: int = 0
-    title: str = "Sweep"
     running: dict[str, Running] = field(default_factory=dict)
     failures_in_a_row: int = 0
     stop_signal: int | None = None
@@ -143,7 +143,11 @@ class Driver:
         trial.set_user_attr("folder", folder)  # a retried trial keeps its folder
         trial.set_user_attr("heartbeat", time.time())
         folds = [params[FOLD]] if FOLD in params else list(range(self.folds)) or [None]
-        fold = folds[len(trial.user_attrs.get(FOLD_SCORES, []))]  # the first without a score
+        scores = trial.user_attrs.get(FOLD_SCORES, [])
+        if len(scores) == len(folds):  # killed after its last fold was scored, before its value was told
+            self.study.tell(trial, statistics.fmean(scores))
+            return self._progress(self._trials()[trial.number])
+        fold = folds[len(scores)]  # the first without a score
         run, values = folder, params
         if fold is not None:
             run, values = posixpath.join(folder, f"fold-{fold}"), {**params, FOLD: fold}
@@ -159,15 +163,9 @@ class Driver:
         what = "continues" if "started" in trial.user_attrs and (self.folder / run).is_dir() else "starts"
         trial.set_user_attr("started", time.time())  # before the process: a trial that may have run is no surplus
         command = [sys.executable, "-m", __package__.split(".")[0], "fit", "--config", str(path)]
-        with (self.folder / f"{run}.log").open("a") as log:
-            process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                preexec_fn=_dies_with_us,
-            )
+        with (self.folder / f"{run}.log").open("a") as log:  # the process has its own copy of the file
+            options = {"stdout": log, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL, "env": env}
+            process = subprocess.Popen(command, **options, preexec_fn=_dies_with_us)
         reported = set(self._trials()[trial.number].intermediate_values)  # a continued trial's reports stay
         self.running[slot] = Running(trial, run, fold, process, reported)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

@@ -97,8 +97,8 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
             for values in sweep.enqueue:
                 study.enqueue_trial(values)
         gpus = slot_gpus(trainer, list(slots), sweep.trials_per_gpu)
-        title = "CV" if cv else "Sweep"
-        code = Driver(sweep, space, configs, storage, study, folder, list(slots), gpus, folds, title).run()
+        title = f"{'CV' if cv else 'Sweep'} {sweep.name}"
+        code = Driver(sweep, space, configs, storage, study, folder, list(slots), gpus, title, folds).run()
         if code == 0:
             write_results(study, folder, sweep.objective, cv)
             url = _without_password(sweep.storage) if sweep.storage else folder / JOURNAL
