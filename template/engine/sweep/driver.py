@@ -215,17 +215,16 @@ class Driver:
 
     def _record(self, running: Running, code: int) -> None:
         trial, ending = running.trial, running.ending
-        trial.set_user_attr(
-            "seconds", round(time.monotonic() - running.started + trial.user_attrs.get("seconds", 0), 1)
-        )
+        seconds = time.monotonic() - running.started + trial.user_attrs.get("seconds", 0)
+        trial.set_user_attr("seconds", round(seconds, 1))
         trial.set_user_attr("ended", time.time())
         value = None
         if ending is None and code == 0 and running.values:
             value = (max if self.sweep.direction == "maximize" else min)(running.values.values())
-            if running.fold is not None and (value := self._fold_ended(running, value)) is None:
-                if running.ending is None:
+            if running.fold is not None:
+                value, ending = self._fold_ended(running, value), running.ending
+                if value is None and ending is None:
                     return  # still running in the study, this worker's: _start_next runs its next fold
-                ending = running.ending
         if ending == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
         elif value is not None:
