@@ -473,3 +473,20 @@ def test_a_dataloader_copy_shares_no_persistent_iterator() -> None:
     assert type(copy) is Copy and copy.dataset is loader.dataset and copy.batch_size == 2
     assert not internals.has_iterator(copy) and internals.has_iterator(loader)
     assert [b.tolist() for b in copy] == first and internals.has_iterator(copy)
+
+
+def test_optuna_keeps_a_queued_trials_values_where_the_sweeps_sampler_reads_them() -> None:
+    optuna = pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    seen = []
+
+    class Recording(optuna.samplers.RandomSampler):
+        def infer_relative_search_space(self, study, trial):  # noqa: ANN001, ANN201
+            seen.append(internals.queued_values(trial))  # the trial as Optuna hands it to a sampler
+            return {}
+
+    study = optuna.create_study(sampler=Recording())
+    study.enqueue_trial({"a": 2})
+    assert internals.queued_values(study.get_trials(deepcopy=False)[0]) == {"a": 2}
+    trial = study.ask()
+    trial.suggest_int("b", 0, 3)  # a value the queue left to the sampler, which sees the queued ones
+    assert seen == [{"a": 2}] and trial.suggest_int("a", 0, 3) == 2

@@ -390,3 +390,13 @@ def dataloader_copy(loader: Any, cls: type) -> Any:
     copy = cls.__new__(cls)
     copy.__dict__.update(vars(loader), _iterator=None)
     return copy
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optuna: the sweep's sampler
+
+
+def queued_values(trial: Any) -> dict[str, Any]:
+    """The values ``study.enqueue_trial`` gave a trial (a FrozenTrial): Optuna keeps them in a system attribute that
+    its trials read, and offers no public accessor."""
+    return trial.system_attrs.get("fixed_params", {})

@@ -88,13 +88,13 @@ def test_a_new_run_into_another_runs_checkpoint_folder_is_still_warned(run_cli, 
 
 def test_the_sweep_parses_trial_configs_without_the_args_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
-    from template.engine.sweep.fitconfig import FitConfigs
+    from template.engine.sweep.options import Configs
 
     # The sweep's process: its own command line in sys.argv, each trial's fit arguments given to LightningCLI.
     monkeypatch.setattr(sys, "argv", [PACKAGE, "sweep", "--config", str(CONFIGS / "sweep.yaml")])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        configs = FitConfigs(["--config", str(CONFIGS / "default.yaml")])
+        configs = Configs(["--config", str(CONFIGS / "default.yaml")], {})
         config = configs.complete({"model.optimizer.init_args.lr": 0.01})
     assert config["model"]["init_args"]["optimizer"]["init_args"]["lr"] == 0.01
     assert [str(w.message) for w in caught if NOISE["sweep"] in str(w.message)] == []

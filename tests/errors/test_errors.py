@@ -80,7 +80,7 @@ CASES = {
     ),
     "negative-devices": (["--trainer.accelerator=cpu", "--trainer.devices=-2"], ["-2", "--trainer.devices=2"]),
     "dp-on-cpu": (["--trainer.strategy=dp", "--trainer.accelerator=cpu"], ["dp", "accelerator", "ddp_cpu.yaml"]),
-    "watchdog-timeout": (["--watchdog.timeout=0"], ["'0'", "watchdog.timeout", "must be > 0"]),
+    "watchdog-timeout": (["--watchdog.timeout=0"], ["'0'", "watchdog.timeout", "expected a value > 0"]),
     # Values a library refuses when the classes are built, or when the optimizer is built from the parameters.
     "optimizer-lr": (
         ["--model.optimizer.init_args.lr=-0.001"],
@@ -120,7 +120,7 @@ CASES = {
             f"--trainer.logger={PACKAGE}.engine.logs.loggers.CSVLogger",
             *("--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.save_interval=-3"),
         ],
-        ["'-3'", "trainer.logger.init_args.save_interval", "must be >= 0"],
+        ["'-3'", "trainer.logger.init_args.save_interval", "expected a value >= 0"],
     ),
 }
 MARKS = {"gpu-without-gpu": NO_GPU, "gpu-device-index": pytest.mark.gpu(1)}
@@ -385,7 +385,7 @@ def test_fit_and_sweep_refuse_a_config_file_with_the_same_line(
 ) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     from template.engine.errors import ConfigError
-    from template.engine.sweep.options import parse_command
+    from template.engine.sweep.options import SWEEP, Configs
 
     text, fragment = BAD_FILES[name]
     if text is not None:
@@ -393,7 +393,7 @@ def test_fit_and_sweep_refuse_a_config_file_with_the_same_line(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [PACKAGE])
     with pytest.raises(ConfigError) as sweep:
-        parse_command(["--config", str(CONFIGS / "sweep.yaml"), "--config", name])
+        Configs(["--config", str(CONFIGS / "sweep.yaml"), "--config", name], SWEEP)
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", name])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]

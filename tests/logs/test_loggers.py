@@ -133,4 +133,4 @@ def test_a_save_interval_below_zero_or_not_a_number_is_refused_by_the_parser(val
     with pytest.raises(Exception) as refused:  # noqa: PT011 - jsonargparse's own ArgumentError
         parser.parse_args(["--logger.save_dir=logs", f"--logger.save_interval={value}"])
     line = explain_parser_error(str(refused.value))
-    assert line == f"invalid value '{value}' for 'logger.save_interval'; it must be >= 0"
+    assert line == f"invalid value '{value}' for 'logger.save_interval'; expected a value >= 0"

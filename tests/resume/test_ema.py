@@ -42,5 +42,5 @@ def test_a_bad_decay_is_one_line(run_main) -> None:
     result = run_main("fit", "--config", CONFIGS / "default.yaml", "--ema.decay=1.5")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: invalid value '1.5' for 'ema.decay'; expected OpenUnitInterval (v>0 and v<1) or null"
+        "error: invalid value '1.5' for 'ema.decay'; expected a value > 0 and < 1 or null"
     )

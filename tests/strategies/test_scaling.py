@@ -71,7 +71,7 @@ def test_a_batch_size_below_one_is_one_line(run_main, option: str) -> None:
     result = run_main("fit", "--config", CONFIGS / "default.yaml", f"--scaling.{option}=0")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: invalid value '0' for 'scaling.{option}'; expected PositiveInt (v>0) or null"
+        f"error: invalid value '0' for 'scaling.{option}'; expected a value > 0 or null"
     )
 
 

@@ -122,7 +122,7 @@ class NoProtocol(Unlabelled):
 
 
 REFUSED = {
-    "folds < 2": (["--cv.folds=1"], "cv.folds=1: cross-validation needs at least 2 folds"),
+    "folds < 2": (["--cv.folds=1"], "invalid value '1' for 'cv.folds'; expected a value >= 2"),
     "more folds than the smallest class": (["--cv.folds=400"], "use at most"),
     "more folds than samples": (
         ["--cv.folds=11", "--data=tests.sweep.test_cv.Unlabelled", "--data.samples=10"],
@@ -356,9 +356,8 @@ def test_a_trial_whose_worker_died_elsewhere_is_retried_from_its_first_fold_with
 @pytest.mark.parametrize("moment", ["fold 0 ended, not yet recorded", "fold 0 recorded, fold 1 not yet started"])
 def test_a_sweep_killed_between_a_trials_folds_continues_with_the_same_command(moment: str, tmp_path: Path) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
-    from test_sweep_restarts import _as_if_never_stopped, _ended, _trial_pid, _wait
-
     from tests.sweep.test_sweep import _start, _study, _sweep_args, _val_acc
+    from tests.sweep.test_sweep_restarts import _as_if_never_stopped, _ended, _trial_pid, _wait
 
     args = [*_sweep_args(tmp_path, n_trials=1, extra="  pruner: none\n"), "--cv.folds=2"]
     trial0 = tmp_path / "lightning_logs" / "s" / "trial-0000"

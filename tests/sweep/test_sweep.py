@@ -93,10 +93,19 @@ def _free_port() -> int:
 
 BAD = {
     "unknown option": ("space:\n  model.net.init_args.no_such: {type: float, low: 0.1, high: 0.2}", "no_such"),
-    "low >= high": ("space:\n  model.net.init_args.dropout: {type: float, low: 0.5, high: 0.1}", "low=0.5 >= high"),
-    "log low <= 0": ("space:\n  model.optimizer.init_args.lr: {type: float, low: 0, high: 0.1, log: true}", "low > 0"),
-    "empty choices": ("space:\n  data.batch_size: {type: categorical, choices: []}", "no choices"),
-    "n_trials < 1": ("n_trials: 0", "sweep.n_trials=0 must be >= 1"),
+    "low >= high": (
+        "space:\n  model.net.init_args.dropout: {type: float, low: 0.5, high: 0.1}",
+        "sweep.space['model.net.init_args.dropout']: `low <= high` must hold, but got (low=0.5, high=0.1)",
+    ),
+    "log low <= 0": (
+        "space:\n  model.optimizer.init_args.lr: {type: float, low: 0, high: 0.1, log: true}",
+        "sweep.space['model.optimizer.init_args.lr']: `low > 0` must hold for `log=True`, but got (low=0, high=0.1)",
+    ),
+    "empty choices": (
+        "space:\n  data.batch_size: {type: categorical, choices: []}",
+        "sweep.space['data.batch_size']: The `choices` must contain one or more elements",
+    ),
+    "n_trials < 1": ("n_trials: 0", "invalid value '0' for 'sweep.n_trials'; expected a value > 0"),
     "bad storage": ("storage: postgresql://u:secret@127.0.0.1:{port}/none", "cannot be reached"),
 }
 
@@ -309,20 +318,20 @@ SPACE = {
 
 def _worker(storage, space: dict, sampler: str = "tpe", seed: int = 0, pruner: str = "median") -> tuple:
     """A study as a sweep process opens it, and its space (the sweep's own code, no fit processes)."""
-    from template.engine.sweep.options import Sweep, check
+    from template.engine.sweep.options import Sweep, search_space
     from template.engine.sweep.study import open_study
 
     sweep = Sweep(name="s", space=space, n_trials=6, sampler=sampler, seed=seed, pruner=pruner)
     sweep.direction = "minimize"
-    return open_study(sweep, check(sweep), storage), check(sweep)
+    return open_study(sweep, search_space(sweep), storage), search_space(sweep)
 
 
-def _ask(study: optuna.Study, params: list) -> optuna.trial.Trial:
+def _ask(study: optuna.Study, space: dict) -> optuna.trial.Trial:
     from template.engine.sweep.driver import _suggest
 
     trial = study.ask()
-    for param in params:
-        _suggest(trial, param)
+    for key, distribution in space.items():
+        _suggest(trial, key, distribution)
     return trial
 
 
@@ -387,14 +396,6 @@ def test_a_finite_space_repeats_values_only_once_every_point_is_taken(pruner: st
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("Sweep s: trial 6 repeats the values of trial "), out
     assert out[0].endswith("(all 6 points of sweep.space are taken)"), out
-
-
-def test_optuna_still_keeps_a_queued_trials_values_where_the_sampler_reads_them(tmp_path: Path) -> None:
-    from template.engine.sweep.sampler import queued_values
-
-    study = optuna.create_study(storage=_journal(tmp_path))
-    study.enqueue_trial({"a": 2})
-    assert queued_values(study.get_trials(deepcopy=False)[0]) == {"a": 2}, "Optuna changed: update queued_values"
 
 
 def test_a_sweep_name_reused_with_another_space_is_refused_before_anything_is_written(run_main, tmp_path: Path) -> None:

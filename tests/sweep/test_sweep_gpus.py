@@ -52,11 +52,15 @@ def test_worker_slots_share_gpus_as_trials_per_gpu_says(monkeypatch: pytest.Monk
     assert slot_gpus({"accelerator": "cpu", "devices": 1}, SLOTS, 3, environ={}) == {}
 
 
+FRACTION, IN_0_1 = "sweep.gpu_memory_fraction", "expected a value > 0 and <= 1"
 REFUSED = {
-    "trials_per_gpu 0": (["--sweep.trials_per_gpu=0"], "sweep.trials_per_gpu=0 must be >= 1"),
-    "fraction 0": (["--sweep.gpu_memory_fraction=0"], "sweep.gpu_memory_fraction=0.0 must be in (0, 1]"),
-    "fraction above 1": (["--sweep.gpu_memory_fraction=1.5"], "sweep.gpu_memory_fraction=1.5 must be in (0, 1]"),
-    "fraction nan": (["--sweep.gpu_memory_fraction=nan"], "invalid value 'nan' for 'sweep.gpu_memory_fraction'"),
+    "trials_per_gpu 0": (
+        ["--sweep.trials_per_gpu=0"],
+        "invalid value '0' for 'sweep.trials_per_gpu'; expected a value > 0",
+    ),
+    "fraction 0": (["--sweep.gpu_memory_fraction=0"], f"invalid value '0' for '{FRACTION}'; {IN_0_1}"),
+    "fraction above 1": (["--sweep.gpu_memory_fraction=1.5"], f"invalid value '1.5' for '{FRACTION}'; {IN_0_1}"),
+    "fraction nan": (["--sweep.gpu_memory_fraction=nan"], f"invalid value 'nan' for '{FRACTION}'; {IN_0_1}"),
     "more memory than a GPU has": (
         ["--sweep.workers=3", "--sweep.trials_per_gpu=3", "--sweep.gpu_memory_fraction=0.5"],
         "would need 150% of a GPU's memory; lower one of them (e.g. gpu_memory_fraction: 0.33)",
@@ -148,6 +152,7 @@ def test_three_trials_share_a_faked_gpu_and_an_out_of_memory_trial_fails_alone(
 ) -> None:
     # The driver runs here with one GPU faked; its trials are real processes, on the CPU of this machine.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.syspath_prepend(str(REPO / "tests"))  # the driver here reads the trials' callback gpu_share.py too
     for key, value in cli_env(
         PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     ).items():

@@ -65,13 +65,10 @@ def explain_parser_error(message: str) -> str:
         return f"unknown argument(s) {m.group(1)}; {help_hint}"
     # A value outside the range of an option's restricted type (PositiveFloat, ...), also an init_args one.
     if m := re.search(
-        r'Parser key "([^"]+)":(?:.*?class_path.*?Parser key "([^"]+)":)? Not of type \S+: (.*?) does not conform to '
-        r"restriction (.*)$",
-        text,
+        r'Parser key "([^"]+)":(?:.*?class_path.*?Parser key "([^"]+)":)? Not of type \S+: (.*?) does not conform', text
     ):
         key = f"{m.group(1)}.init_args.{m.group(2)}" if m.group(2) else m.group(1)
-        bound = re.sub(r"v([<>=!]+)", r"\1 ", m.group(4))  # v>=0 -> >= 0
-        return f"invalid value {m.group(3)!r} for '{key}'; it must be {bound}"
+        return f"invalid value {m.group(3)!r} for '{key}'; {_restriction(text)}"
     # A bad init_args value is reported by jsonargparse as a problem with the whole class_path.
     if m := re.search(
         r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text
@@ -110,19 +107,21 @@ def explain_parser_error(message: str) -> str:
 def _first_reason(details: str) -> str:
     """jsonargparse lists why each member of a Union rejected a value; the first is usually the useful one."""
     details = details.strip(" -")
+    if (restriction := _restriction(details)) is not None:
+        return restriction
     if choices := re.findall(r"Expected a (?:typing\.)?Literal\[(.*?)\]", details):
         return f"expected one of {', '.join(choices)}"
-    # A restricted type (PositiveInt, OpenUnitInterval) is named with the rule the value broke.
-    rule = re.search(r"does not conform to restriction (.+?)(?= - |$)", details)
-    names = []
-    for plain, restricted in re.findall(r"Expected a <class '([\w.]+)'>|Not of type (\w+)", details):
-        if restricted:
-            names.append(f"{restricted} ({rule.group(1)})" if rule else restricted)
-        else:
-            names.append("null" if plain == "NoneType" else plain)
-    if names:
-        return "expected " + " or ".join(names)
+    if names := re.findall(r"Expected a <class '([\w.]+)'>", details):
+        return "expected " + " or ".join("null" if name == "NoneType" else name for name in names)
     return details[:300]
+
+
+def _restriction(details: str) -> str | None:
+    """A restricted number type's rule (PositiveInt's ``v>0``) in words, "or null" where the option takes null too."""
+    if m := re.search(r"does not conform to restriction (v\S+(?: (?:and|or) v\S+)*)", details):
+        rule = re.sub(r"v([<>=!]+)", r"\1 ", m.group(1))
+        return f"expected a value {rule}" + (" or null" if "NoneType" in details else "")
+    return None
 
 
 def explain_trainer_error(text: str, devices: Any = None) -> str:

@@ -1,14 +1,12 @@
-"""``python -m template sweep --config configs/sweep.yaml``: an Optuna search whose trials are real ``fit`` runs.
+"""``python -m template sweep`` (an Optuna search whose trials are ``fit`` processes) and ``cv`` (k-fold
+cross-validation, a study whose trials are the folds); ``fold_indices``, the split a DataModule folds by.
 
-Modules: ``options`` (the ``sweep:`` section), ``fitconfig`` (each trial's config, by the fit parser),
-``reporter`` (the trial's callback writing the objective per validation), ``driver`` (trials as processes,
-pruning, restarts, several workers), ``results`` (table, ``best.yaml``, plots), ``study`` (Optuna's storage),
-``cv`` (k-fold cross-validation: a study whose trials are the folds).
+``study`` runs a command: ``options`` (its section, read by the fit parser), ``driver`` (trials and their folds as
+processes, pruning, restarts, workers; ``reporter`` is the trial's side), ``sampler``, ``devices``, ``results``.
+Uses ``commands`` and every package below it.
 """
 
 from __future__ import annotations
-
-import sys
 
 
 def main(argv: list[str], command: str = "sweep") -> int:
@@ -19,14 +17,10 @@ def main(argv: list[str], command: str = "sweep") -> int:
         from template.engine.errors import ConfigError
 
         raise ConfigError(f"the {command} needs Optuna; install the extra: pip install -e '.[sweep]'") from None
-    from template.engine.sweep import cv
+    from template.engine.sweep.study import run
 
-    return cv.run_cv(argv) if command == "cv" else cv.run_sweep(argv)
+    return run(argv, command)
 
 
 def cv_main(argv: list[str]) -> int:
     return main(argv, "cv")
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,21 +1,27 @@
-"""The ``sweep:`` section and the command line of ``python -m template sweep``: read, checked, split from the fit's."""
+"""The ``sweep`` and ``cv`` sections, read with the rest of the command line by the fit parser; the search space."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentError, ArgumentParser
+from jsonargparse.typing import PositiveFloat, PositiveInt, restricted_number_type
+from lightning.pytorch.cli import LightningArgumentParser
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from typing_extensions import override
 
-from template.engine.commands import preflight as config_files
+from template.engine.commands.cli import CLI, PROGRAM, build_cli
 from template.engine.errors import ConfigError, explain_parser_error
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_TYPES = ("float", "int", "categorical")
+Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
+Folds = restricted_number_type("Folds", int, (">=", 2))
+KINDS = {"float": FloatDistribution, "int": IntDistribution, "categorical": CategoricalDistribution}
 
 
 @dataclass
@@ -44,186 +50,167 @@ class Sweep:
     """
 
     name: str
-    space: dict[str, dict[str, Any]]
-    n_trials: int = 20
-    workers: int = 1
-    trials_per_gpu: int = 1
-    gpu_memory_fraction: float | None = None
+    space: dict[str, Any]
+    n_trials: PositiveInt = 20
+    workers: PositiveInt = 1
+    trials_per_gpu: PositiveInt = 1
+    gpu_memory_fraction: Fraction | None = None
     storage: str | None = None
     objective: str | None = None
     direction: Literal["minimize", "maximize"] | None = None
     sampler: Literal["tpe", "random"] = "tpe"
     seed: int | None = 0
     pruner: Literal["median", "hyperband", "none"] = "median"
-    max_failures: int = 3
-    heartbeat: float = 30.0
+    max_failures: PositiveInt = 3
+    heartbeat: PositiveFloat = 30.0
     enqueue: list[dict[str, Any]] | None = None
 
 
 @dataclass
-class Param:
-    """One dimension of the search space."""
+class CrossValidation:
+    """The ``cv`` section: k-fold cross-validation of the rest of the config, each fold a ``fit`` run.
 
-    key: str
-    type: str
-    low: float | None = None
-    high: float | None = None
-    log: bool = False
-    step: float | None = None
-    choices: list[Any] | None = None
+    Args:
+        folds: the number of folds; each trains on the others and validates on its own.
+        name: its folder ``lightning_logs/<name>/``; default: the configs' names and a hash of the complete config.
+        workers: folds at once in this process.
+        storage: as ``sweep.storage``: null for a journal file in the folder, a database URL or a journal path.
+        objective: the metric each fold scores (its best value); default ``checkpoint.monitor``.
+        stratify: refuse a DataModule that gives the split no labels (folds are stratified whenever it gives them).
+    """
 
-    def example(self) -> Any:
-        """A value of the space, to check that the fit parser takes the option."""
-        if self.type == "categorical":
-            return self.choices[0]
-        return int(self.low) if self.type == "int" else float(self.low)
-
-    def distribution(self) -> BaseDistribution:
-        """Optuna's distribution of this dimension."""
-        if self.type == "categorical":
-            return CategoricalDistribution(self.choices)
-        if self.type == "int":
-            return IntDistribution(int(self.low), int(self.high), log=self.log, step=int(self.step or 1))
-        return FloatDistribution(self.low, self.high, log=self.log, step=self.step)
+    folds: Folds = 5
+    name: str | None = None
+    workers: PositiveInt = 1
+    storage: str | None = None
+    objective: str | None = None
+    stratify: bool = False
 
 
 @dataclass
-class Command:
-    """``sweep`` arguments, split: the sweep's options, and the ``fit`` arguments every trial starts from."""
+class TrialFolds:
+    """The ``cv`` section of a ``sweep``: each trial a cross-validation, its value the mean over its folds.
 
-    sweep: Sweep
-    space: list[Param]
-    fit_args: list[str]
-    folds: int = 0  # cv.folds: each trial a cross-validation of this many folds
+    Args:
+        folds: each trial's folds, run one after another, the pruner deciding after each on the running mean;
+            null: each trial is one fit on the DataModule's own split.
+        stratify: as ``cv.stratify``.
+    """
 
-
-def parse_command(argv: list[str]) -> Command:
-    """Read the ``sweep:`` section of the ``--config`` files and the ``--sweep.*`` options; the rest is the fit's."""
-    missing = "no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml"
-    folds = "\n--cv.folds=k (or a cv: section): each trial a k-fold cross-validation, scored by the mean\n"
-    sweep, fit_args = parse_section(argv, "sweep", Sweep, missing, folds)
-    return Command(sweep, check(sweep), fit_args)
+    folds: Folds | None = None
+    stratify: bool = False
 
 
-def parse_section(
-    argv: list[str], name: str, options: type, missing: str | None = None, more_help: str = ""
-) -> tuple[Any, list[str]]:
-    """``options`` from the ``name:`` sections of the ``--config`` files and ``--<name>.*``, and the fit's arguments;
-    ``missing``, if given, is the error where neither sets any."""
-    if "-h" in argv or "--help" in argv:
-        _parser(name, options).print_help()
-        print(more_help, end="")
-        print(f"\nEvery other option is fit's: {_parser(name, options).prog.rsplit(' ', 1)[0]} fit --help")
-        raise SystemExit(0)
-    configs, rest = config_files.split(argv)
-    own_args, fit_args = [], []
-    i = 0
-    while i < len(rest):
-        arg = rest[i]
-        if arg.startswith(f"--{name}.") or arg == f"--{name}" or arg.startswith(f"--{name}="):
-            own_args.append(arg)
-            if "=" not in arg and i + 1 < len(rest):
-                own_args.append(rest[i + 1])
-                i += 1
-        else:
-            fit_args.append(arg)
-        i += 1
-    section: dict[str, Any] = {}
-    texts = []
-    for path in configs:
-        content = config_files.read(path)
-        part = content.pop(name, None)
-        if part is not None and not isinstance(part, dict):
-            raise ConfigError(f"the {name} section of '{path}' is not a mapping; write `{name}:` with its options")
-        section = _merge(section, part or {})
-        # The fit parser gets the file without this section, as YAML text (jsonargparse reads either).
-        texts.append(yaml.safe_dump(content, sort_keys=False) if content else "{}")
-    fit_args = [*(arg for text in texts for arg in ("--config", text)), *fit_args]
-    if missing and not section and not own_args:
-        raise ConfigError(missing)
-    parser = _parser(name, options)
+SWEEP = {"sweep": Sweep, "cv": TrialFolds}
+CV = {"cv": CrossValidation}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class _Parse(CLI):
+    """The fit command line with the command's sections added, parsing configs without building anything."""
+
+    def __init__(self, sections: dict[str, type], *args: Any, **kwargs: Any) -> None:
+        self.own_sections = sections
+        super().__init__(*args, **kwargs)
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        return super().init_parser(**{**kwargs, "exit_on_error": False})
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_arguments_to_parser(parser)
+        for name, options in self.own_sections.items():
+            parser.add_class_arguments(options, name)
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    @override
+    def instantiate_classes(self) -> None:
+        pass
+
+
+class Configs:
+    """The command's arguments read once by the fit parser with the command's sections (``SWEEP`` or ``CV``);
+    each trial's complete fit config, the sections left out."""
+
+    def __init__(self, argv: list[str], sections: dict[str, type]) -> None:
+        self.argv, self.sections = list(argv), sections
+        self.fixed: dict[str, Any] = {}  # values every trial gets (``data.num_folds`` in a cross-validation)
+        cli = functools.partial(_Parse, sections)
+        self.cli = _parsed(lambda: build_cli(self.argv, run=False, cli_class=cli), "")
+        self.options = {name: options(**self.cli.config[name].as_dict()) for name, options in sections.items()}
+
+    def complete(self, values: dict[str, Any], what: str = "") -> dict[str, Any]:
+        """The full fit config of the arguments with ``values`` (option -> value) set, as plain data."""
+        given = {**self.fixed, **values}
+        args = [*self.argv, *(f"--{key}={json.dumps(value)}" for key, value in given.items())]
+
+        def parse() -> Any:
+            self.cli.parse_arguments(self.cli.parser, args)
+            return self.cli.config
+
+        config = yaml.safe_load(self.cli.parser.dump(_parsed(parse, what), skip_none=False))
+        return {key: value for key, value in config.items() if key not in self.sections}
+
+
+def _parsed(parse: Any, what: str) -> Any:
     try:
-        parsed = parser.parse_args(["--section", yaml.safe_dump({name: section}), *own_args])
-        chosen = getattr(parser.instantiate_classes(parsed), name)
-    except Exception as err:  # jsonargparse's ArgumentError and friends; the message names the key
-        raise ConfigError(explain_parser_error(str(err))) from None
-    return chosen, fit_args
+        return parse()
+    except (ArgumentError, ValueError, TypeError) as err:
+        raise ConfigError(f"{what}{explain_parser_error(str(err))}") from None
 
 
-def _parser(name: str, options: type) -> ArgumentParser:
-    """The ``<name>.*`` options (the signature of ``options``), read from the configs' sections and the command line."""
-    parser = ArgumentParser(prog=f"python -m template {name}", exit_on_error=False, default_config_files=[])
-    parser.add_argument("--section", action="config", help=f"the merged {name}: sections of the --config files")
-    parser.add_class_arguments(options, name, instantiate=True)
-    return parser
+def print_help(command: str, sections: dict[str, type], more: str = "") -> None:
+    """The command's own options; every other one is fit's."""
+    parser = ArgumentParser(prog=f"{PROGRAM} {command}", default_config_files=[])
+    for name, options in sections.items():
+        parser.add_class_arguments(options, name)
+    parser.print_help()
+    print(f"{more}\nEvery other option is fit's: {PROGRAM} fit --help")
 
 
-def check(sweep: Sweep) -> list[Param]:
-    """Every mistake in the sweep's options that needs no fit config, as one line; the search space."""
+def search_space(sweep: Sweep) -> dict[str, BaseDistribution]:
+    """Every mistake in the sweep's options that needs no fit config, as one line; Optuna's distributions."""
     if not _NAME.fullmatch(sweep.name):
         raise ConfigError(
             f"sweep.name={sweep.name!r} is not a folder name; use letters, digits, '.', '_' and '-', e.g. digits-lr"
         )
-    for key, least in (("n_trials", 1), ("workers", 1), ("trials_per_gpu", 1), ("max_failures", 1)):
-        if getattr(sweep, key) < least:
-            raise ConfigError(f"sweep.{key}={getattr(sweep, key)} must be >= {least}")
-    fraction = sweep.gpu_memory_fraction
-    if fraction is not None and not 0 < fraction <= 1:
-        raise ConfigError(f"sweep.gpu_memory_fraction={fraction} must be in (0, 1], e.g. 0.3; or null for no limit")
-    if fraction is not None and sweep.trials_per_gpu * fraction > 1 + 1e-9:
+    if sweep.gpu_memory_fraction is not None and sweep.trials_per_gpu * sweep.gpu_memory_fraction > 1 + 1e-9:
         raise ConfigError(
-            f"sweep.trials_per_gpu={sweep.trials_per_gpu} trials with sweep.gpu_memory_fraction={fraction} each "
-            f"would need {sweep.trials_per_gpu * fraction:.0%} of a GPU's memory; lower one of them (e.g. "
-            f"gpu_memory_fraction: {math.floor(100 / sweep.trials_per_gpu) / 100})"
+            f"sweep.trials_per_gpu={sweep.trials_per_gpu} trials with sweep.gpu_memory_fraction="
+            f"{sweep.gpu_memory_fraction} each would need {sweep.trials_per_gpu * sweep.gpu_memory_fraction:.0%} of "
+            f"a GPU's memory; lower one of them (e.g. gpu_memory_fraction: {int(100 / sweep.trials_per_gpu) / 100})"
         )
-    if not sweep.heartbeat > 0:
-        raise ConfigError(f"sweep.heartbeat={sweep.heartbeat} must be a number of seconds > 0")
     if not sweep.space:
         raise ConfigError("sweep.space is empty; add the options to search, e.g. model.optimizer.init_args.lr")
-    space = [_param(key, spec) for key, spec in sweep.space.items()]
     for values in sweep.enqueue or []:
         if unknown := sorted(set(values) - set(sweep.space)):
             raise ConfigError(f"sweep.enqueue sets {', '.join(unknown)}, not in sweep.space; add it there")
-    return space
+    return {key: _distribution(key, spec) for key, spec in sweep.space.items()}
 
 
-def _param(key: str, spec: Any) -> Param:
+def _distribution(key: str, spec: Any) -> BaseDistribution:
+    """Optuna's distribution for one entry of the space; Optuna checks its ranges, this what Optuna takes silently."""
     where = f"sweep.space['{key}']"
     if not isinstance(spec, dict):
         raise ConfigError(f"{where} is {spec!r}; write {{type: float, low: ..., high: ...}} or {{type: categorical}}")
-    kind = spec.get("type")
-    if kind not in _TYPES:
-        raise ConfigError(f"{where} has type {kind!r}; use one of: {', '.join(_TYPES)}")
-    allowed = {"type", "choices"} if kind == "categorical" else {"type", "low", "high", "log", "step"}
-    if extra := sorted(set(spec) - allowed):
-        raise ConfigError(f"{where} has unknown field(s) {', '.join(extra)} for type {kind}; use {sorted(allowed)}")
-    if kind == "categorical":
-        choices = spec.get("choices")
-        if not isinstance(choices, list) or not choices:
-            raise ConfigError(f"{where} has no choices; list at least one, e.g. choices: [32, 64]")
-        return Param(key, kind, choices=choices)
-    low, high, log, step = spec.get("low"), spec.get("high"), spec.get("log", False), spec.get("step")
-    for name, value in (("low", low), ("high", high)):
-        number = int if kind == "int" else (int, float)
+    kind, fields = spec.get("type"), {k: v for k, v in spec.items() if k != "type" and v is not None}
+    if kind not in KINDS:
+        raise ConfigError(f"{where} has type {kind!r}; use one of: {', '.join(KINDS)}")
+    allowed = ["choices"] if kind == "categorical" else ["low", "high", "log", "step"]
+    if extra := sorted(set(fields) - set(allowed)):
+        raise ConfigError(f"{where} has unknown field(s) {', '.join(extra)} for type {kind}; use {allowed}")
+    if not isinstance(fields.get("log", False), bool):
+        raise ConfigError(f"{where}.log is {fields['log']!r}; use true or false")
+    number = int if kind == "int" else (int, float)
+    for name in ("low", "high", "step"):
+        value = fields.get(name, 1)
         if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value):
             raise ConfigError(f"{where}.{name} is {value!r}; give a finite {'integer' if kind == 'int' else 'number'}")
-    if low >= high:
-        raise ConfigError(f"{where} has low={low} >= high={high}; low must be below high")
-    if not isinstance(log, bool):
-        raise ConfigError(f"{where}.log is {log!r}; use true or false")
-    if log and low <= 0:
-        raise ConfigError(f"{where} has log: true with low={low}; a log scale needs low > 0")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0):
-        raise ConfigError(f"{where}.step is {step!r}; give a number > 0, or leave it out")
-    if step is not None and log:
-        raise ConfigError(f"{where} has both step and log: true; Optuna takes one of them")
-    return Param(key, kind, low=low, high=high, log=log, step=step)
-
-
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """A later config's sweep section wins key by key (``space`` entries too)."""
-    merged = dict(base)
-    for key, value in update.items():
-        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
-        merged[key] = _merge(merged[key], value) if both else value
-    return merged
+    try:
+        return KINDS[kind](**fields)
+    except (ValueError, TypeError) as err:  # Optuna's checks: low <= high, log with low > 0, step > 0, choices...
+        raise ConfigError(f"{where}: {str(err).rstrip('.')}; fix that entry of sweep.space") from None

@@ -13,18 +13,16 @@ from typing_extensions import override
 from template.engine.errors import ConfigError
 from template.engine.strategies.devices import process_devices
 
+REPORTER = f"{__name__}.ObjectiveReporter"  # the class path a trial's config names
 REPORTS = "objective.jsonl"
 NOT_LOGGED = "the sweep's objective"
 MEMORY_FRACTION = "SWEEP_GPU_MEMORY_FRACTION"  # sweep.gpu_memory_fraction, handed to the trial (and its DDP ranks)
 
 
 class ObjectiveReporter(Callback):
-    """Appends ``{"step", "epoch", "value"}`` of ``monitor`` to ``<run folder>/objective.jsonl`` after each validation.
-
-    The driver reads the file while the trial runs, so it sees each value at once (the CSV log reaches the disk
-    every few seconds) and can prune the trial. Under DDP the logged value is already reduced over the processes:
-    rank zero writes it. It also caps the trial's share of GPU memory (``sweep.gpu_memory_fraction``) before the
-    model reaches the GPU, on the devices this process uses and only where they are CUDA devices.
+    """Appends ``{"step", "epoch", "value"}`` of ``monitor`` to ``<run folder>/objective.jsonl`` after each validation
+    (rank zero; under DDP the value is already reduced), where the driver reads it at once to prune; and caps the
+    trial's share of each of its CUDA devices' memory (``sweep.gpu_memory_fraction``) before the model reaches them.
     """
 
     def __init__(self, monitor: str) -> None:

@@ -1,10 +1,8 @@
 """The sweep's sampler: Optuna's TPE or random sampler, seeded per trial number, never proposing taken values.
 
-Optuna's own seeded sampler draws one sequence per process: a restarted sweep replays it from the start (it proposes
-a finished trial's values again) and workers with the same seed propose the same values at once. Here each trial's
-proposal is drawn by a fresh sampler seeded from ``(sweep.seed, trial number)``: the same study history and seed give
-the same proposal for a number whether the sweep ran in one go, was restarted, or is shared by workers, which get
-different numbers and so different seeds.
+Optuna's seeded sampler draws one sequence per process: restarted, it proposes finished trials' values again, and
+workers with one seed propose the same values at once. Here a fresh sampler seeded from ``(sweep.seed, trial number)``
+draws each trial's proposal, the same for a number in one go, restarted, or shared by workers (other numbers).
 """
 
 from __future__ import annotations
@@ -18,6 +16,8 @@ from typing import Any
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
+
+from template.engine.internals import queued_values
 
 _DRAWS = 10  # proposals from the sweep's sampler, then as many uniform ones, before a finite space is searched
 _GRID = 100_000  # the most points of a finite space listed to find one no trial has
@@ -102,11 +102,6 @@ def _draw(
         if name not in values:
             values[name] = sampler.sample_independent(study, trial, name, distribution)
     return values
-
-
-def queued_values(trial: FrozenTrial) -> dict[str, Any]:
-    """The values ``enqueue_trial`` gave a trial (Optuna keeps them in a system attribute its trials read)."""
-    return trial.system_attrs.get("fixed_params", {})
 
 
 def _values(trial: FrozenTrial) -> dict[str, Any]:

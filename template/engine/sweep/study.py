@@ -1,68 +1,113 @@
-"""The sweep from the command to the results: checks every input, opens the Optuna study, runs the driver."""
+"""``sweep`` and ``cv`` from the command line to the results: every check, the Optuna study, the driver."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, distribution_to_json
 
+from template.engine.commands import preflight as config_files
 from template.engine.errors import ConfigError
 from template.engine.runs import LOGS
 from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
-from template.engine.sweep.fitconfig import FitConfigs
-from template.engine.sweep.options import Command, Param, Sweep
+from template.engine.sweep.folds import FOLD, prepare
+from template.engine.sweep.options import CV, SWEEP, Configs, Sweep, print_help, search_space
 from template.engine.sweep.results import write_results
 from template.engine.sweep.sampler import TrialSeeded
 
 JOURNAL = "study.journal"
 SPACE = "space"  # the study's user attribute that records sweep.space
+MORE_HELP = "\n--cv.folds=k (or a cv: section): each trial a k-fold cross-validation, scored by the mean\n"
 
 
-def run_study(
-    command: Command, configs: FitConfigs, driver: type[Driver] = Driver, results: Callable = write_results
-) -> int:
-    """Check the study against the fit config, run (or continue) it with ``driver``, then ``results``; the exit code."""
-    sweep = command.sweep
+def run(argv: list[str], command: str) -> int:
+    """Run or continue the sweep, or the cross-validation (``cv``: a study whose trials are the folds)."""
+    if "-h" in argv or "--help" in argv:
+        print_help(command, CV if command == "cv" else {"sweep": Sweep}, "" if command == "cv" else MORE_HELP)
+        return 0
+    configs = _configs(argv, command)
+    cv = configs.options["cv"]
+    if command == "sweep":
+        sweep = configs.options["sweep"]
+        if cv.folds:
+            print(f"Sweep {sweep.name}: each trial {prepare(configs, cv.folds, cv.stratify)[0]}", flush=True)
+        return run_study(sweep, configs, cv.folds or 0)
+    split, base = prepare(configs, cv.folds, cv.stratify)
+    stems = "-".join(Path(path).stem for path in config_files.split(argv)[0]) or "cv"
+    name = cv.name or f"{stems}-cv{cv.folds}-{hashlib.sha256(json.dumps(base).encode()).hexdigest()[:8]}"
+    print(f"CV {name}: {split}", flush=True)
+    folds = list(range(cv.folds))
+    space = {FOLD: {"type": "categorical", "choices": folds}}
+    # A failed fold would fail again: the cv stops, and the same command reruns it (the only fold no trial has).
+    sweep = Sweep(name, space, cv.folds, cv.workers, storage=cv.storage, objective=cv.objective, pruner="none")
+    sweep.max_failures, sweep.enqueue = 1, [{FOLD: k} for k in folds]
+    return run_study(sweep, configs, cv=True)
+
+
+def _configs(argv: list[str], command: str) -> Configs:
+    try:
+        return Configs(argv, CV if command == "cv" else SWEEP)
+    except ConfigError as err:
+        if command == "sweep" and "required: sweep.name, sweep.space" in str(err):
+            raise ConfigError(
+                "no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml"
+            ) from None
+        if command == "sweep" and re.match(r"unknown .*(--|')cv\.", str(err)):  # --cv.workers: sweep.workers
+            raise ConfigError(f"{str(err).split(';')[0]}; in a sweep, cv takes folds and stratify only") from None
+        raise
+
+
+def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) -> int:
+    """Check the study against the fit config, then run (or continue) it and write its results; the exit code."""
+    space = search_space(sweep)
     base = configs.complete({})
     sweep.objective = sweep.objective or base.get("checkpoint", {}).get("monitor")
     if not sweep.objective:
         raise ConfigError("the sweep has no objective; set sweep.objective or checkpoint.monitor to a logged metric")
     mode = base.get("checkpoint", {}).get("mode", "min")
     sweep.direction = sweep.direction or ("maximize" if mode == "max" else "minimize")
-    for param in command.space:
-        for value in param.choices or [param.example()]:
-            configs.complete({param.key: value}, what=f"sweep.space['{param.key}']: ")
+    for key, d in space.items():  # each choice, or the lowest value, taken by the fit parser
+        for value in d.choices if isinstance(d, CategoricalDistribution) else [d.low]:
+            configs.complete({key: value}, what=f"sweep.space['{key}']: ")
     for values in sweep.enqueue or []:
         configs.complete(values, what="sweep.enqueue: ")
-    checks = [f"check.{n}" for n in range(sweep.workers)]
-    slot_gpus(base.get("trainer", {}), checks, sweep.trials_per_gpu)  # enough GPUs for them all
-    root = Path(base.get("trainer", {}).get("default_root_dir") or ".")
-    folder = root / LOGS / sweep.name
+    trainer = base.get("trainer", {})
+    slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
+    folder = Path(trainer.get("default_root_dir") or ".") / LOGS / sweep.name
     storage = open_storage(sweep.storage, folder)
     if storage is not None:
-        check_space(storage, sweep.name, command.space, command.folds)
+        check_space(storage, sweep.name, space, folds)
     folder.mkdir(parents=True, exist_ok=True)
     storage = storage or _journal(folder / JOURNAL)
+    verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     slots = claim_slots(folder, sweep.workers)
-    study = open_study(sweep, command.space, storage, command.folds)
-    if sweep.enqueue and not study.get_trials(deepcopy=False):
-        for values in sweep.enqueue:
-            study.enqueue_trial(values)
-    gpus = slot_gpus(base.get("trainer", {}), slots, sweep.trials_per_gpu)
-    code = driver(sweep, command.space, configs, storage, study, folder, slots, gpus, command.folds).run()
-    if code == 0:
-        results(study, folder, sweep.objective)
-        print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {_dashboard_url(sweep.storage, folder)}")
-    return code
+    try:
+        study = open_study(sweep, space, storage, folds)
+        if sweep.enqueue and not study.get_trials(deepcopy=False):
+            for values in sweep.enqueue:
+                study.enqueue_trial(values)
+        gpus = slot_gpus(trainer, list(slots), sweep.trials_per_gpu)
+        title = f"{'CV' if cv else 'Sweep'} {sweep.name}"
+        code = Driver(sweep, space, configs, storage, study, folder, list(slots), gpus, title, folds).run()
+        if code == 0:
+            write_results(study, folder, sweep.objective, cv)
+            url = _without_password(sweep.storage) if sweep.storage else folder / JOURNAL
+            print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {url}")
+        return code
+    finally:
+        for fd in slots.values():
+            os.close(fd)
+        optuna.logging.set_verbosity(verbosity)
 
 
 def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage | None:
@@ -88,11 +133,13 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
     losers' CREATE fails with a duplicate: they try again and find the tables made."""
     import sqlalchemy.exc
 
+    # A down server fails in seconds rather than after the driver's default TCP timeout.
+    engine = {"connect_args": {"connect_timeout": 10}} if url.startswith("postgresql") else {}
     for attempt in range(attempts):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine)
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
             if attempt == attempts - 1:
                 raise
@@ -100,76 +147,54 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
     raise AssertionError("unreachable")
 
 
-def _engine_kwargs(url: str) -> dict[str, Any]:
-    # A down server fails in seconds rather than after the driver's default TCP timeout.
-    return {"connect_args": {"connect_timeout": 10}} if url.startswith("postgresql") else {}
-
-
 def _without_password(url: str) -> str:
     return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
 
 
-def _dashboard_url(url: str | None, folder: Path) -> str:
-    return _without_password(url) if url else str(folder / JOURNAL)
-
-
-def open_study(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseStorage, folds: int = 0) -> optuna.Study:
+def open_study(
+    sweep: Sweep, space: dict[str, BaseDistribution], storage: optuna.storages.BaseStorage, folds: int = 0
+) -> optuna.Study:
     """The sweep's study, created or loaded; it records its space (``check_space`` compares the next command's)."""
+    startup = min(10, max(2, sweep.n_trials // 3))
+    pruner = {"median": optuna.pruners.MedianPruner(n_startup_trials=2), "hyperband": optuna.pruners.HyperbandPruner()}
     study = optuna.create_study(
         storage=storage,
-        sampler=_sampler(sweep, space, storage),
+        sampler=TrialSeeded(storage, sweep.name, space, sweep.sampler, sweep.seed, startup),
         study_name=sweep.name,
         direction=sweep.direction,
-        pruner=_pruner(sweep),
+        pruner=pruner.get(sweep.pruner, optuna.pruners.NopPruner()),
         load_if_exists=True,
     )
     if SPACE not in study.user_attrs:
-        study.set_user_attr(SPACE, _space(space, folds))
+        study.set_user_attr(SPACE, _recorded(space, folds))
     return study
 
 
-def _sampler(sweep: Sweep, space: list[Param], storage: optuna.storages.BaseStorage) -> optuna.samplers.BaseSampler:
-    distributions = {param.key: param.distribution() for param in space}
-    startup = min(10, max(2, sweep.n_trials // 3))
-    return TrialSeeded(storage, sweep.name, distributions, sweep.sampler, sweep.seed, startup)
-
-
-def check_space(storage: optuna.storages.BaseStorage, name: str, space: list[Param], folds: int = 0) -> None:
-    """Refuse to continue a study with another search space: its trials would mix two searches."""
+def check_space(
+    storage: optuna.storages.BaseStorage, name: str, space: dict[str, BaseDistribution], folds: int = 0
+) -> None:
+    """Refuse to continue a study with another search space (or another ``cv.folds``): its trials would mix two."""
     try:
         recorded = storage.get_study_user_attrs(storage.get_study_id_from_name(name)).get(SPACE)
     except KeyError:  # no such study yet
         return
-    if recorded is None:  # a study from before the space was recorded
+    if recorded is None:  # its first worker was killed before it recorded the space
         return
-    given = _space(space, folds)
-    differ = sorted(k for k in {*recorded, *given} if recorded.get(k) != given.get(k))
-    if differ:
+    given = _recorded(space, folds)
+    if differ := sorted(k for k in {*recorded, *given} if recorded.get(k) != given.get(k)):
         raise ConfigError(
             f"sweep '{name}' exists with another space (differs in: {', '.join(differ)}); "
             "use another --sweep.name or the same space"
         )
 
 
-def _space(space: list[Param], folds: int) -> dict[str, Any]:
-    """The space as the study records it (JSON), every field filled in, so that equal spaces compare equal; with
-    ``cv.folds``, that too (trials scored over folds do not mix with others)."""
-    recorded = {p.key: {k: v for k, v in asdict(p).items() if k != "key"} for p in space}
-    return json.loads(json.dumps({**recorded, **({"cv.folds": folds} if folds else {})}))
+def _recorded(space: dict[str, BaseDistribution], folds: int) -> dict[str, Any]:
+    return {**{key: distribution_to_json(d) for key, d in space.items()}, **({"cv.folds": folds} if folds else {})}
 
 
 def _journal(path: Path) -> optuna.storages.JournalStorage:
     # A worker killed while it writes leaves the journal's lock behind; Optuna releases a stale lock after its grace
-    # period, but only one whose mtime it can read. Its default lock is a symlink to the journal's path as given: a
-    # relative path (or another machine's mount point) dangles, and every later writer waits on it forever.
-    journal = str(path)
-    lock = optuna.storages.journal.JournalFileOpenLock(journal)
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal, lock_obj=lock))
-
-
-def _pruner(sweep: Sweep) -> optuna.pruners.BasePruner:
-    if sweep.pruner == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2)
-    if sweep.pruner == "hyperband":
-        return optuna.pruners.HyperbandPruner()
-    return optuna.pruners.NopPruner()
+    # period, but only one whose mtime it can read: its default lock, a symlink to the journal's path as given,
+    # dangles for a relative path (or another machine's mount point) and every later writer waits on it forever.
+    lock = optuna.storages.journal.JournalFileOpenLock(str(path))
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path), lock_obj=lock))
