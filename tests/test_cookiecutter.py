@@ -354,7 +354,7 @@ def test_relative_path_dot_and_replay(tmp_path: Path) -> None:
         TMPDIR=str(tmpdir),
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
-    assert (tmp_path / "a" / "dot-bake" / "dot_bake" / "engine" / "cli.py").is_file()
+    assert (tmp_path / "a" / "dot-bake" / "dot_bake" / "engine" / "commands" / "cli.py").is_file()
     assert list(tmpdir.iterdir()) == []  # the rendered hooks, answers inside, removed themselves
     relative = os.path.relpath(REPO, tmp_path)
     again = run(
@@ -362,7 +362,7 @@ def test_relative_path_dot_and_replay(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert again.returncode == 0, again.stderr[-2000:]
-    assert (tmp_path / "b" / "dot-bake" / "dot_bake" / "engine" / "cli.py").is_file()
+    assert (tmp_path / "b" / "dot-bake" / "dot_bake" / "engine" / "commands" / "cli.py").is_file()
     assert leftovers(tmp_path / "b" / "dot-bake") == []
 
 
@@ -401,7 +401,7 @@ def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
         cwd=tmp_path,
     )  # fmt: skip
     assert cloned.returncode == 0, cloned.stderr[-2000:]
-    assert (tmp_path / "cc" / "lightning-project" / "from_git" / "engine" / "cli.py").is_file()
+    assert (tmp_path / "cc" / "lightning-project" / "from_git" / "engine" / "commands" / "cli.py").is_file()
 
     created = run(
         [sys.executable, "-m", "cruft", "create", f"file://{remote}", "--no-input", "--config-file", str(config),
@@ -419,7 +419,7 @@ def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
     assert refused.stderr.splitlines() == [
         "error: package_name 'lightning' would shadow the dependency 'lightning'; choose another package_name"
     ]
-    assert (project / "via_cruft" / "engine" / "cli.py").is_file() and leftovers(project) == []
+    assert (project / "via_cruft" / "engine" / "commands" / "cli.py").is_file() and leftovers(project) == []
     assert "python -m via_cruft fit" in (project / "README.md").read_text()
     assert json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["package_name"] == "via_cruft"
 
