@@ -47,6 +47,8 @@ class _Recording(BoringModel):
 def test_missing_name_fails_loudly_with_package_version_and_fix() -> None:
     with pytest.raises(internals.InternalsChanged, match=r"lightning \d+\.\d+.*`object\._timeout`.*README"):
         internals._require(object(), "_timeout", "lightning", "the hang watchdog")
+    with pytest.raises(internals.InternalsChanged, match=r"torch \S+ .*`torch\.nn\._gone`.*README"):
+        internals._imported("torch.nn", "_gone", "the hang watchdog")
 
 
 # --- process groups -------------------------------------------------------------------------------------------------
