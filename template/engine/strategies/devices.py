@@ -1,9 +1,6 @@
-"""``trainer.devices``: the one reading of its values, ``free:N`` (the N visible GPUs with the most free memory), the
-devices a process trains on, and the float32 matmul precision.
-
-Free memory is read through NVML (the ``gpu`` extra, module ``pynvml``): asking torch would put a CUDA context of a
-few hundred MiB on every GPU it looks at, including the busy ones someone else is using.
-"""
+"""``trainer.devices``: the one reading of its values, ``free:N`` (the N visible GPUs with the most free memory, read
+through NVML: torch would put a CUDA context on every GPU it asks, busy ones too), the devices a process trains on,
+and the float32 matmul precision."""
 
 from __future__ import annotations
 
@@ -28,8 +25,6 @@ _GIB = 1024**3
 _SYNTAX = "free:N or free:N,min=MGiB (e.g. free:2 or free:2,min=8GiB)"
 _REQUEST = re.compile(r"free:\s*(\d+)\s*(?:,\s*min\s*=\s*(\d+\.?\d*|\.\d+)\s*(?:g(?:i?b)?)?\s*)?", re.IGNORECASE)
 
-MatmulPrecision = Literal["auto", "highest", "high", "medium"]
-
 
 @dataclass(frozen=True)
 class FreeRequest:
@@ -47,9 +42,6 @@ class GpuMemory:
     index: int
     free: int
     total: int
-
-    def describe(self) -> str:
-        return f"GPU {self.index}: {self.free / _GIB:.1f} of {self.total / _GIB:.1f} GiB free"
 
 
 def gpu_indices(devices: Any, visible: int) -> list[int]:
@@ -95,12 +87,8 @@ def parse_free_request(devices: Any) -> FreeRequest | None:
 
 
 def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
-    """Replace ``trainer["devices"]`` = ``free:N[,min=M]`` by the list of GPU indices it picks, in place.
-
-    Lightning's DDP launcher starts ranks 1..N with rank 0's command line and environment: rank 0 picks and hands
-    the list down in ``FREE_GPUS_CHOSEN``, so all train on the same GPUs even if the free memory changes meanwhile.
-    Processes that another launcher (torchrun, SLURM) starts on one node would each pick on their own: refused.
-    """
+    """Replace ``trainer["devices"]`` = ``free:N[,min=M]`` in place by the GPU indices rank 0 picks, which it hands
+    down in ``FREE_GPUS_CHOSEN`` to the ranks Lightning's DDP launcher starts: all train on the same GPUs."""
     request = parse_free_request(trainer.get("devices"))
     if request is None:
         return
@@ -122,14 +110,14 @@ def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
 
 
 def _handed_down_choice(request: FreeRequest) -> list[int] | None:
-    """The list rank 0 picked, in a process Lightning's DDP launcher started (LOCAL_RANK >= 1); None in rank 0."""
+    """The list rank 0 picked, in a process Lightning's DDP launcher started (LOCAL_RANK >= 1); None in rank 0 (which
+    overwrites a value an earlier run left in the shell)."""
     local_rank = os.environ.get("LOCAL_RANK", "0").strip() or "0"
     if local_rank == "0":
-        return None  # the deciding process; a value left in the shell by an earlier run is overwritten
+        return None
     value = os.environ.get(HANDOFF_VARIABLE, "")
     decided_for, _, indices = value.rpartition("->")
     if decided_for != request.text or not re.fullmatch(r"\d+(,\d+)*", indices):
-        # Picking here could differ from rank 0's pick: the processes would train on overlapping GPUs.
         raise ConfigError(
             f"trainer.devices={request.text!r}: this process is local rank {local_rank} but has no choice handed "
             f"down from rank 0 ({HANDOFF_VARIABLE}={value!r}); start one process and let Lightning launch the "
@@ -166,7 +154,7 @@ def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
     # Most free first: under dp the first device is the root that gathers outputs and holds the optimizer state.
     qualifying.sort(key=lambda gpu: (-gpu.free, gpu.index))
     floor = f" with at least {request.min_free_gib:g} GiB free" if request.min_free_gib else ""
-    listing = "; ".join(gpu.describe() for gpu in gpus)
+    listing = "; ".join(f"GPU {gpu.index}: {gpu.free / _GIB:.1f} of {gpu.total / _GIB:.1f} GiB free" for gpu in gpus)
     if len(qualifying) < request.count:
         raise ConfigError(
             f"trainer.devices={request.text!r} needs {request.count} GPU(s){floor} but {len(qualifying)} of the "
@@ -281,10 +269,10 @@ def process_devices(strategy: Strategy) -> list[torch.device]:
 
 
 def add_gpu_arguments(parser: LightningArgumentParser) -> None:
-    """The top-level ``float32_matmul_precision`` option."""
+    """Add the top-level ``float32_matmul_precision`` option."""
     parser.add_argument(
         "--float32_matmul_precision",
-        type=MatmulPrecision,
+        type=Literal["auto", "highest", "high", "medium"],
         default="auto",
         help=(
             "torch.set_float32_matmul_precision: 'high' lets float32 matmuls use TF32 tensor cores (faster, 10-bit "
