@@ -205,12 +205,12 @@ def child_schedulers(scheduler: Any) -> list[Any]:
     return []
 
 
-def last_lr_attribute(scheduler: Any) -> str | None:
-    """The attribute where a torch scheduler keeps what ``get_last_lr()`` returns; None for other objects."""
+def last_lr_attributes(scheduler: Any) -> tuple[str, ...]:
+    """The attribute where a torch scheduler keeps what ``get_last_lr()`` returns; none for other objects."""
     if not isinstance(scheduler, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
-        return None
+        return ()
     _require(scheduler, "_last_lr", "torch", "learning-rate scaling")
-    return "_last_lr"
+    return ("_last_lr",)
 
 
 def has_iterator(loader: Any) -> bool:

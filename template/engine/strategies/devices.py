@@ -35,15 +35,6 @@ class FreeRequest:
     min_free_gib: float = 0.0
 
 
-@dataclass(frozen=True)
-class GpuMemory:
-    """A visible GPU as NVML reports it; ``index`` is CUDA's in this process (after CUDA_VISIBLE_DEVICES)."""
-
-    index: int
-    free: int
-    total: int
-
-
 def gpu_indices(devices: Any, visible: int) -> list[int]:
     """The GPU indices a ``trainer.devices`` value asks for, read as Lightning reads it: N (or "N") the first N, a
     list (or "0,2") those, -1 and "auto" all ``visible`` ones. A ``free:N`` request is resolved to a list first."""
@@ -150,18 +141,20 @@ def _refuse_under_external_launcher(request: FreeRequest) -> None:
 def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
     """The visible indices of the ``request.count`` GPUs with the most free memory, and a one-line report of why."""
     gpus = read_visible_gpus(request)
-    qualifying = [gpu for gpu in gpus if gpu.free >= request.min_free_gib * _GIB]
+    qualifying = [i for i, (free, _) in enumerate(gpus) if free >= request.min_free_gib * _GIB]
     # Most free first: under dp the first device is the root that gathers outputs and holds the optimizer state.
-    qualifying.sort(key=lambda gpu: (-gpu.free, gpu.index))
+    qualifying.sort(key=lambda i: -gpus[i][0])
     floor = f" with at least {request.min_free_gib:g} GiB free" if request.min_free_gib else ""
-    listing = "; ".join(f"GPU {gpu.index}: {gpu.free / _GIB:.1f} of {gpu.total / _GIB:.1f} GiB free" for gpu in gpus)
+    listing = "; ".join(
+        f"GPU {i}: {free / _GIB:.1f} of {total / _GIB:.1f} GiB free" for i, (free, total) in enumerate(gpus)
+    )
     if len(qualifying) < request.count:
         raise ConfigError(
             f"trainer.devices={request.text!r} needs {request.count} GPU(s){floor} but {len(qualifying)} of the "
             f"{len(gpus)} visible qualify ({listing}); ask for fewer, lower min, wait for memory to free up, or list "
             "the devices explicitly"
         )
-    chosen = [gpu.index for gpu in qualifying[: request.count]]
+    chosen = qualifying[: request.count]
     message = (
         f"trainer.devices={request.text!r}: training on GPU(s) {chosen}, the {request.count} with the most free "
         f"memory{floor} of {len(gpus)} visible ({listing})"
@@ -169,8 +162,8 @@ def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
     return chosen, message
 
 
-def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
-    """Free and total memory of every GPU this process can see, in CUDA's order, read through NVML."""
+def read_visible_gpus(request: FreeRequest) -> list[tuple[int, int]]:
+    """Free and total bytes of every GPU this process can see, by CUDA's index here, read through NVML."""
     try:
         import pynvml
     except ImportError:
@@ -190,7 +183,7 @@ def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
             raise ConfigError(_no_gpu(request, hidden, "NVML lists no GPU" if hidden is None else "none visible"))
         _number_gpus_in_pci_order(request, [_text(pynvml.nvmlDeviceGetName(handle)) for handle in handles])
         memory = [pynvml.nvmlDeviceGetMemoryInfo(handle) for handle in handles]
-        return [GpuMemory(index, int(m.free), int(m.total)) for index, m in enumerate(memory)]
+        return [(int(m.free), int(m.total)) for m in memory]
     except pynvml.NVMLError as err:  # e.g. a GPU NVML may not query from inside a container
         raise ConfigError(
             f"trainer.devices={request.text!r} cannot read the GPUs' free memory (NVML: {err}); list the devices "

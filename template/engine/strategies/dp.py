@@ -191,16 +191,9 @@ class DataParallelStrategy(ParallelStrategy):
 def check_dp_trainer_config(trainer: Mapping[str, Any]) -> None:
     """Before the Trainer is built: if ``trainer`` selects dp (by name or instance), refuse what it cannot run."""
     strategy = trainer.get("strategy")
-    if (
-        isinstance(strategy, DataParallelStrategy)
-        or str(strategy).strip().lower() == DataParallelStrategy.strategy_name
-    ):
-        check_dp_settings(
-            trainer.get("accelerator", "auto"),
-            trainer.get("devices", "auto"),
-            trainer.get("num_nodes", 1),
-            sync_batchnorm=bool(trainer.get("sync_batchnorm")),
-        )
+    if isinstance(strategy, DataParallelStrategy) or str(strategy).strip().lower() == "dp":
+        settings = (trainer.get("accelerator", "auto"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
+        check_dp_settings(*settings, sync_batchnorm=bool(trainer.get("sync_batchnorm")))
 
 
 def check_dp_settings(

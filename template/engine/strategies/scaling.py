@@ -16,7 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from template.engine.errors import ConfigError
-from template.engine.internals import child_schedulers, last_lr_attribute
+from template.engine.internals import child_schedulers, last_lr_attributes
 from template.engine.logs.console import Mechanism
 
 LRScaling = Literal["none", "linear", "sqrt"]
@@ -50,20 +50,14 @@ def lr_factor(rule: LRScaling, effective_batch_size: int, reference_batch_size: 
 
 def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], schedulers: Iterable[Any], factor: float) -> None:
     """Multiply every learning rate held by the optimizers and their schedulers by ``factor``, in place."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for key in _GROUP_LR_KEYS:
-                if key in group:
-                    group[key] = _times(group[key], factor)
+    for group in [group for optimizer in optimizers for group in optimizer.param_groups]:
+        group.update({key: _times(group[key], factor) for key in _GROUP_LR_KEYS if key in group})
     pending = list(schedulers)
     while pending:
         scheduler = pending.pop()
         pending.extend(child_schedulers(scheduler))
-        for attribute in (*_SCHEDULER_LR_ATTRIBUTES, last_lr_attribute(scheduler)):
-            if attribute is None:
-                continue
-            values = getattr(scheduler, attribute, None)
-            if isinstance(values, list):
+        for attribute in (*_SCHEDULER_LR_ATTRIBUTES, *last_lr_attributes(scheduler)):
+            if isinstance(values := getattr(scheduler, attribute, None), list):
                 setattr(scheduler, attribute, [_times(v, factor) for v in values])
 
 
