@@ -182,9 +182,8 @@ class BatchScaling(Callback):
 
 
 def batch_size_holders(module: Any, datamodule: Any) -> list[tuple[Any, Any]]:
-    """Where the batch size lives, as (owner, holder) pairs, where Lightning's ``lightning_setattr`` looks (which needs
-    the module attached): the module, its hparams (an AttributeDict), the DataModule, its hparams. The last holder is
-    read, all are set."""
+    """(owner, holder) pairs where Lightning's ``lightning_setattr`` looks for the batch size: the module, its hparams,
+    the DataModule, its hparams (Lightning's needs the module attached). The last is read, all are set."""
     return [
         (owner, holder)
         for owner in (module, datamodule)
