@@ -47,6 +47,8 @@ class _Recording(BoringModel):
 def test_missing_name_fails_loudly_with_package_version_and_fix() -> None:
     with pytest.raises(internals.InternalsChanged, match=r"lightning \d+\.\d+.*`object\._timeout`.*README"):
         internals._require(object(), "_timeout", "lightning", "the hang watchdog")
+    with pytest.raises(internals.InternalsChanged, match=r"torch \S+ .*`torch\.nn\._gone`.*README"):
+        internals._imported("torch.nn", "_gone", "the hang watchdog")
 
 
 # --- process groups -------------------------------------------------------------------------------------------------
@@ -349,7 +351,7 @@ def test_scaling_reaches_sequential_and_last_lr() -> None:
     sequential = torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second], milestones=[2])
     assert internals.child_schedulers(sequential) == [first, second]
     assert internals.child_schedulers(first) == []
-    assert internals.last_lr_attribute(second) == "_last_lr" and internals.last_lr_attribute(object()) is None
+    assert internals.last_lr_attributes(second) == ("_last_lr",) and internals.last_lr_attributes(object()) == ()
 
     scale_learning_rates([optimizer], [sequential], 2.0)
     assert sequential.get_last_lr() == pytest.approx([0.2])

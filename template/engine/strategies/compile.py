@@ -13,12 +13,9 @@ from template.engine.logs.console import Mechanism
 
 
 class CompileNetwork(Callback):
-    """Compiles the network attribute of any LightningModule with ``torch.compile`` before training or evaluation.
-
-    ``nn.Module.compile`` compiles the module's call in place, so the network is not wrapped: its weights keep
-    their names (no ``_orig_mod.``) and checkpoints stay interchangeable with uncompiled runs. Under DDP the
-    compiled network runs inside DistributedDataParallel; under ``strategy: dp`` every GPU's replica runs the
-    compiled code (see ``strategies/dp.py``).
+    """Compiles the LightningModule's network with ``torch.compile`` before training or evaluation, in place: its
+    weights keep their names (no ``_orig_mod.``), so checkpoints load into uncompiled runs. Under ``strategy: dp``
+    every GPU's replica runs the compiled code.
 
     Args:
         enabled: compile (off by default: compiling takes seconds to minutes before the first step).

@@ -1,9 +1,6 @@
-"""``trainer.devices``: the one reading of its values, ``free:N`` (the N visible GPUs with the most free memory), the
-devices a process trains on, and the float32 matmul precision.
-
-Free memory is read through NVML (the ``gpu`` extra, module ``pynvml``): asking torch would put a CUDA context of a
-few hundred MiB on every GPU it looks at, including the busy ones someone else is using.
-"""
+"""``trainer.devices``: the one reading of its values, ``free:N`` (the N visible GPUs with the most free memory, read
+through NVML: torch would put a CUDA context on every GPU it asks, busy ones too), the devices a process trains on,
+and the float32 matmul precision."""
 
 from __future__ import annotations
 
@@ -28,8 +25,6 @@ _GIB = 1024**3
 _SYNTAX = "free:N or free:N,min=MGiB (e.g. free:2 or free:2,min=8GiB)"
 _REQUEST = re.compile(r"free:\s*(\d+)\s*(?:,\s*min\s*=\s*(\d+\.?\d*|\.\d+)\s*(?:g(?:i?b)?)?\s*)?", re.IGNORECASE)
 
-MatmulPrecision = Literal["auto", "highest", "high", "medium"]
-
 
 @dataclass(frozen=True)
 class FreeRequest:
@@ -38,18 +33,6 @@ class FreeRequest:
     text: str
     count: int
     min_free_gib: float = 0.0
-
-
-@dataclass(frozen=True)
-class GpuMemory:
-    """A visible GPU as NVML reports it; ``index`` is CUDA's in this process (after CUDA_VISIBLE_DEVICES)."""
-
-    index: int
-    free: int
-    total: int
-
-    def describe(self) -> str:
-        return f"GPU {self.index}: {self.free / _GIB:.1f} of {self.total / _GIB:.1f} GiB free"
 
 
 def gpu_indices(devices: Any, visible: int) -> list[int]:
@@ -95,12 +78,8 @@ def parse_free_request(devices: Any) -> FreeRequest | None:
 
 
 def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
-    """Replace ``trainer["devices"]`` = ``free:N[,min=M]`` by the list of GPU indices it picks, in place.
-
-    Lightning's DDP launcher starts ranks 1..N with rank 0's command line and environment: rank 0 picks and hands
-    the list down in ``FREE_GPUS_CHOSEN``, so all train on the same GPUs even if the free memory changes meanwhile.
-    Processes that another launcher (torchrun, SLURM) starts on one node would each pick on their own: refused.
-    """
+    """Replace ``trainer["devices"]`` = ``free:N[,min=M]`` in place by the GPU indices rank 0 picks, which it hands
+    down in ``FREE_GPUS_CHOSEN`` to the ranks Lightning's DDP launcher starts: all train on the same GPUs."""
     request = parse_free_request(trainer.get("devices"))
     if request is None:
         return
@@ -122,14 +101,14 @@ def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
 
 
 def _handed_down_choice(request: FreeRequest) -> list[int] | None:
-    """The list rank 0 picked, in a process Lightning's DDP launcher started (LOCAL_RANK >= 1); None in rank 0."""
+    """The list rank 0 picked, in a process Lightning's DDP launcher started (LOCAL_RANK >= 1); None in rank 0 (which
+    overwrites a value an earlier run left in the shell)."""
     local_rank = os.environ.get("LOCAL_RANK", "0").strip() or "0"
     if local_rank == "0":
-        return None  # the deciding process; a value left in the shell by an earlier run is overwritten
+        return None
     value = os.environ.get(HANDOFF_VARIABLE, "")
     decided_for, _, indices = value.rpartition("->")
     if decided_for != request.text or not re.fullmatch(r"\d+(,\d+)*", indices):
-        # Picking here could differ from rank 0's pick: the processes would train on overlapping GPUs.
         raise ConfigError(
             f"trainer.devices={request.text!r}: this process is local rank {local_rank} but has no choice handed "
             f"down from rank 0 ({HANDOFF_VARIABLE}={value!r}); start one process and let Lightning launch the "
@@ -162,18 +141,20 @@ def _refuse_under_external_launcher(request: FreeRequest) -> None:
 def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
     """The visible indices of the ``request.count`` GPUs with the most free memory, and a one-line report of why."""
     gpus = read_visible_gpus(request)
-    qualifying = [gpu for gpu in gpus if gpu.free >= request.min_free_gib * _GIB]
+    qualifying = [i for i, (free, _) in enumerate(gpus) if free >= request.min_free_gib * _GIB]
     # Most free first: under dp the first device is the root that gathers outputs and holds the optimizer state.
-    qualifying.sort(key=lambda gpu: (-gpu.free, gpu.index))
+    qualifying.sort(key=lambda i: -gpus[i][0])
     floor = f" with at least {request.min_free_gib:g} GiB free" if request.min_free_gib else ""
-    listing = "; ".join(gpu.describe() for gpu in gpus)
+    listing = "; ".join(
+        f"GPU {i}: {free / _GIB:.1f} of {total / _GIB:.1f} GiB free" for i, (free, total) in enumerate(gpus)
+    )
     if len(qualifying) < request.count:
         raise ConfigError(
             f"trainer.devices={request.text!r} needs {request.count} GPU(s){floor} but {len(qualifying)} of the "
             f"{len(gpus)} visible qualify ({listing}); ask for fewer, lower min, wait for memory to free up, or list "
             "the devices explicitly"
         )
-    chosen = [gpu.index for gpu in qualifying[: request.count]]
+    chosen = qualifying[: request.count]
     message = (
         f"trainer.devices={request.text!r}: training on GPU(s) {chosen}, the {request.count} with the most free "
         f"memory{floor} of {len(gpus)} visible ({listing})"
@@ -181,8 +162,8 @@ def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
     return chosen, message
 
 
-def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
-    """Free and total memory of every GPU this process can see, in CUDA's order, read through NVML."""
+def read_visible_gpus(request: FreeRequest) -> list[tuple[int, int]]:
+    """Free and total bytes of every GPU this process can see, by CUDA's index here, read through NVML."""
     try:
         import pynvml
     except ImportError:
@@ -202,7 +183,7 @@ def read_visible_gpus(request: FreeRequest) -> list[GpuMemory]:
             raise ConfigError(_no_gpu(request, hidden, "NVML lists no GPU" if hidden is None else "none visible"))
         _number_gpus_in_pci_order(request, [_text(pynvml.nvmlDeviceGetName(handle)) for handle in handles])
         memory = [pynvml.nvmlDeviceGetMemoryInfo(handle) for handle in handles]
-        return [GpuMemory(index, int(m.free), int(m.total)) for index, m in enumerate(memory)]
+        return [(int(m.free), int(m.total)) for m in memory]
     except pynvml.NVMLError as err:  # e.g. a GPU NVML may not query from inside a container
         raise ConfigError(
             f"trainer.devices={request.text!r} cannot read the GPUs' free memory (NVML: {err}); list the devices "
@@ -281,10 +262,10 @@ def process_devices(strategy: Strategy) -> list[torch.device]:
 
 
 def add_gpu_arguments(parser: LightningArgumentParser) -> None:
-    """The top-level ``float32_matmul_precision`` option."""
+    """Add the top-level ``float32_matmul_precision`` option."""
     parser.add_argument(
         "--float32_matmul_precision",
-        type=MatmulPrecision,
+        type=Literal["auto", "highest", "high", "medium"],
         default="auto",
         help=(
             "torch.set_float32_matmul_precision: 'high' lets float32 matmuls use TF32 tensor cores (faster, 10-bit "

@@ -30,7 +30,7 @@ class ParallelForward(nn.DataParallel):
     """``nn.DataParallel`` whose replica threads run under the caller's autocast dtype, not only its on/off switch."""
 
     def parallel_apply(self, replicas, inputs, kwargs):  # noqa: ANN001, ANN201 - same signature as torch's
-        # torch passes its replica threads only "autocast enabled", so bf16-mixed would silently run as fp16 there.
+        # torch passes its replica threads only "autocast enabled": bf16-mixed would run as fp16 there.
         device_type = self.src_device_obj.type
         return super().parallel_apply([under_callers_autocast(r, device_type) for r in replicas], inputs, kwargs)
 
@@ -42,25 +42,21 @@ class ParallelForward(nn.DataParallel):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "module":  # not set yet (half-built copy): looking inside it would recurse
+            if name == "module":  # not set yet (a half-built copy): looking inside it would recurse
                 raise
             return getattr(self.module, name)
-
-
-def _run_replica(replica: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return eager_call(replica, *args, **kwargs)
 
 
 @functools.cache
 def _compiled_replica_call() -> Callable[..., Any]:
     # One compiled function for all replicas: dynamo takes a replica's weights as inputs, so the new replicas of
     # every step reuse the compiled code (one graph per device) instead of recompiling.
-    return torch.compile(_run_replica)
+    return torch.compile(eager_call)
 
 
 def share_compiled_call(module: nn.Module, replicas: Sequence[nn.Module]) -> Sequence[nn.Module]:
-    """Replicas of a network compiled in place (``net.compile()``) that run compiled code on their own weights: a
-    replica copies the original's compiled call, bound to the original, which would run the first GPU's weights."""
+    """Replicas of a network compiled in place that run compiled code on their own weights, not on the original's (the
+    compiled call a replica copies is bound to the original)."""
     if not is_compiled_in_place(module):
         return replicas
     for replica in replicas:
@@ -69,7 +65,7 @@ def share_compiled_call(module: nn.Module, replicas: Sequence[nn.Module]) -> Seq
 
 
 def under_callers_autocast(module: Callable[..., Any], device_type: str) -> Callable[..., Any]:
-    """``module`` as a callable that, from any thread, runs under the autocast state of the thread that wrapped it."""
+    """``module`` as a callable that, in any thread, runs under the autocast state of the thread that wrapped it."""
     enabled = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type)
 
@@ -104,13 +100,11 @@ class DataParallelStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.module_name = module_name
-        # The accelerator connector overwrites this with trainer.num_nodes before calling set_world_ranks.
-        self.num_nodes = 1
+        self.num_nodes = 1  # the Trainer sets its own before it calls set_world_ranks
 
     @property
     def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RuntimeError("DataParallelStrategy has no devices yet; the Trainer assigns them")
+        assert self.parallel_devices, "the Trainer assigns the devices"
         return self.parallel_devices[0]
 
     # One process whatever a detected cluster environment (SLURM, torchrun) says about ranks.
@@ -132,11 +126,10 @@ class DataParallelStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> None:
-        # Every batch goes whole to this one process; DataParallel splits it, not a sampler.
-        return None
+        return None  # every batch goes whole to this one process, which DataParallel splits
 
     def set_world_ranks(self) -> None:
-        # The connector calls this once it has set the accelerator, devices, num_nodes and layer sync.
+        # Called once the Trainer has set the accelerator, devices, num_nodes and layer sync.
         devices = [device.index for device in self.parallel_devices or []]
         check_dp_settings(self.accelerator, devices, self.num_nodes, sync_batchnorm=layer_sync_enabled(self))
 
@@ -160,7 +153,7 @@ class DataParallelStrategy(ParallelStrategy):
             net, device_ids=[d.index for d in self.parallel_devices], output_device=self.root_device
         )
         # Shadow the attribute, keep the registered child: `self.net(x)` runs the replicas while parameters(),
-        # state_dict() keys, .to() and train()/eval() still see the plain network (no `module.` prefix).
+        # state_dict() keys, .to() and train()/eval() see the plain network (no `module.` prefix).
         object.__setattr__(model, self.module_name, wrapped)
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -174,8 +167,7 @@ class DataParallelStrategy(ParallelStrategy):
         return dataloader
 
     def reduce(self, tensor: Tensor | Any, *args: Any, **kwargs: Any) -> Tensor | Any:
-        # Outputs are gathered before the loss, so there is one value and nothing to reduce.
-        return tensor
+        return tensor  # outputs are gathered before the loss: one value, nothing to reduce
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         return tensor
@@ -195,25 +187,13 @@ class DataParallelStrategy(ParallelStrategy):
             del module.__dict__[self.module_name]
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:  # Lightning's StrategyRegistry
-        # Lightning 2.x has no "dp" of its own; override keeps re-registration harmless.
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__, override=True)
-
 
 def check_dp_trainer_config(trainer: Mapping[str, Any]) -> None:
     """Before the Trainer is built: if ``trainer`` selects dp (by name or instance), refuse what it cannot run."""
     strategy = trainer.get("strategy")
-    if (
-        isinstance(strategy, DataParallelStrategy)
-        or str(strategy).strip().lower() == DataParallelStrategy.strategy_name
-    ):
-        check_dp_settings(
-            trainer.get("accelerator", "auto"),
-            trainer.get("devices", "auto"),
-            trainer.get("num_nodes", 1),
-            sync_batchnorm=bool(trainer.get("sync_batchnorm")),
-        )
+    if isinstance(strategy, DataParallelStrategy) or str(strategy).strip().lower() == "dp":
+        settings = (trainer.get("accelerator", "auto"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
+        check_dp_settings(*settings, sync_batchnorm=bool(trainer.get("sync_batchnorm")))
 
 
 def check_dp_settings(
@@ -221,7 +201,6 @@ def check_dp_settings(
 ) -> None:
     """Raise ConfigError, naming the bad value and the fix, when dp cannot run with these Trainer settings."""
     if sync_batchnorm:
-        # torch's SyncBatchNorm works only between DDP processes; ignoring the flag would be a silent fallback.
         raise ConfigError(
             "trainer.sync_batchnorm=true needs one process per GPU (strategy ddp); under strategy dp each GPU's "
             "BatchNorm sees its slice of the batch: set trainer.sync_batchnorm=false or use strategy ddp"

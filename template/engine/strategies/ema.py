@@ -14,12 +14,8 @@ from template.engine.logs.console import Mechanism
 
 
 class EMA(EMAWeightAveraging):
-    """Lightning's EMAWeightAveraging, copying only the module's state, not the callables it holds.
-
-    The average is a deep copy of the LightningModule. Its optimizer and scheduler factories from the command line
-    reach the whole command line object and, under DDP, the launcher's process handles, which cannot be copied; the
-    average needs only the parameters and buffers, so such callables are left out of the copy.
-    """
+    """Lightning's EMAWeightAveraging, leaving the module's callables out of its copy: the optimizer and scheduler
+    factories of the command line reach objects that cannot be copied (under DDP the launcher's process handles)."""
 
     announcement = Mechanism(
         "ema",
@@ -52,22 +48,17 @@ class EMAOptions:
         update_every_n_steps: PositiveInt = 1,
         update_starting_at_step: int | None = None,
     ) -> None:
-        """``decay``: the weight of the average at each update, e.g. 0.999; null (the default) keeps no average.
-
-        ``update_every_n_steps``: update the average every N optimizer steps. ``update_starting_at_step``: start
-        averaging at this step (before it the average follows the weights).
+        """
+        Args:
+            decay: the weight of the average at each update, e.g. 0.999; null (the default) keeps no average.
+            update_every_n_steps: update the average every N optimizer steps.
+            update_starting_at_step: start averaging at this step (before it the average follows the weights).
         """
         self.decay = decay
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
 
 
-def ema_callbacks(
-    decay: float | None, update_every_n_steps: int = 1, update_starting_at_step: int | None = None
-) -> list:
+def ema_callbacks(decay: float | None, **options: Any) -> list[EMA]:
     """``[EMA(...)]`` for a ``decay`` (its range checked by the command line), ``[]`` for None."""
-    if decay is None:
-        return []
-    return [
-        EMA(decay=decay, update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step)
-    ]
+    return [] if decay is None else [EMA(decay=decay, **options)]

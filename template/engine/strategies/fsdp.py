@@ -1,6 +1,5 @@
-"""``strategy: fsdp``: FSDP2 (torch's ``fully_shard``) through Lightning's ``ModelParallelStrategy``, on CPUs (gloo)
-as on GPUs (NCCL). Unlike Lightning's ``fsdp`` (FSDP1: CUDA only, wraps modules) it shards parameters in place, so
-attribute names, ``state_dict`` keys and exports stay those of the plain network."""
+"""``strategy: fsdp``: FSDP2 (torch's ``fully_shard``) through Lightning's ``ModelParallelStrategy``, on CPUs as on
+GPUs; it shards parameters in place, so names, ``state_dict`` keys and exports stay those of the plain network."""
 
 from __future__ import annotations
 
@@ -36,19 +35,16 @@ _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 class FSDP2Strategy(ModelParallelStrategy):
     """Fully sharded data parallel (FSDP2) over all processes: each holds 1/N of the parameters, gradients and
-    optimizer states, gathers a layer's parameters just before it runs and frees them after.
-
-    The module's own ``configure_model`` may shard it (``fully_shard`` on ``self.device_mesh["data_parallel"]``);
-    a module that does not gets the default: each unit of ``shard_layers`` (by default each child module with
-    parameters, below the modules that hold a single one, as ``net`` does) sharded on its own, then the whole
-    module. Checkpoints are folders with one shard per process, written beside their name and put in place whole.
+    optimizer states. A module that does not shard itself in ``configure_model`` (``fully_shard`` on
+    ``self.device_mesh["data_parallel"]``) gets each unit of ``shard_layers`` sharded, then the whole module.
+    Checkpoints are folders of one shard per process, put in place whole.
 
     Args:
         shard_layers: class names (``TransformerBlock``) or import paths of the modules that become one unit each;
             default: each child module with parameters of the first module, from the LightningModule down, that has
             more than one (the example's ``net.layers.1``, ``net.layers.4``, ...).
         checkpoint_layers: class names or import paths of modules whose activations are recomputed in the backward
-            pass instead of kept (activation checkpointing): less memory, one more forward.
+            pass (activation checkpointing): less memory, one more forward.
         reshard_after_forward: free a unit's gathered parameters after its forward (less memory, one more gather in
             the backward pass); false keeps them until the backward pass (ZeRO-2).
     """
@@ -95,12 +91,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not is_sharded(self.model):
             bf16 = self.precision_plugin.precision == "bf16-mixed"
             mesh = self.device_mesh["data_parallel"]
-            layers = shard(
-                self.model, mesh, self.shard_layers, self.checkpoint_layers, self.reshard_after_forward, bf16
-            )
-            units = ", ".join(layers)
+            units = shard(self.model, mesh, self.shard_layers, self.checkpoint_layers, self.reshard_after_forward, bf16)
             rank_zero_info(
-                f"fsdp: sharded {units}, then the whole module, over {self.world_size} processes "
+                f"fsdp: sharded {', '.join(units)}, then the whole module, over {self.world_size} processes "
                 "(other units: trainer.strategy's shard_layers)"
             )
         materialize_meta_module(self.model, self.root_device)
@@ -114,8 +107,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
 
     def check_module(self, module: nn.Module) -> None:
-        """Raise ConfigError, before processes start, for layer names that name nothing in ``module`` and for
-        parameters not yet created (lazy layers), which cannot be sharded."""
+        """Before processes start, refuse layer names that name nothing in ``module`` and parameters not yet created
+        (lazy layers), which cannot be sharded."""
         lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
         if lazy:
             raise ConfigError(
@@ -129,8 +122,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Each process writes its shard into a folder beside ``filepath``; rank zero renames it into place once all
-        have written, so a checkpoint under its name is always whole (a kill leaves the previous one or none)."""
+        """Each process writes its shard into a folder beside ``filepath``, which rank zero renames into place once all
+        have written: a checkpoint under its name is always whole."""
         if storage_options is not None:
             raise TypeError("strategy fsdp writes sharded checkpoints itself: storage_options is not supported")
         from torch.distributed.checkpoint import FileSystemWriter, save
@@ -157,11 +150,6 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # A checkpoint is data, never code to run (as AtomicCheckpointIO loads single files).
         return super().load_checkpoint(checkpoint_path, weights_only=True)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:  # Lightning's StrategyRegistry
-        # Replaces Lightning's "fsdp" (FSDP1, CUDA only, wraps modules); FSDP1 stays reachable by class_path.
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__, override=True)
 
 
 def is_fsdp(strategy: Any) -> bool:

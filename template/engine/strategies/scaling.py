@@ -16,7 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from template.engine.errors import ConfigError
-from template.engine.internals import child_schedulers, last_lr_attribute
+from template.engine.internals import child_schedulers, last_lr_attributes
 from template.engine.logs.console import Mechanism
 
 LRScaling = Literal["none", "linear", "sqrt"]
@@ -50,21 +50,14 @@ def lr_factor(rule: LRScaling, effective_batch_size: int, reference_batch_size: 
 
 def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], schedulers: Iterable[Any], factor: float) -> None:
     """Multiply every learning rate held by the optimizers and their schedulers by ``factor``, in place."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for key in _GROUP_LR_KEYS:
-                if key in group:
-                    group[key] = _times(group[key], factor)
+    for group in [group for optimizer in optimizers for group in optimizer.param_groups]:
+        group.update({key: _times(group[key], factor) for key in _GROUP_LR_KEYS if key in group})
     pending = list(schedulers)
     while pending:
         scheduler = pending.pop()
-        # SequentialLR and ChainedScheduler hold the schedulers that do the work.
         pending.extend(child_schedulers(scheduler))
-        for attribute in (*_SCHEDULER_LR_ATTRIBUTES, last_lr_attribute(scheduler)):
-            if attribute is None:
-                continue
-            values = getattr(scheduler, attribute, None)
-            if isinstance(values, list):
+        for attribute in (*_SCHEDULER_LR_ATTRIBUTES, *last_lr_attributes(scheduler)):
+            if isinstance(values := getattr(scheduler, attribute, None), list):
                 setattr(scheduler, attribute, [_times(v, factor) for v in values])
 
 
@@ -98,8 +91,7 @@ class BatchScaling(Callback):
                 f"scaling.lr_scaling={lr_scaling} needs scaling.reference_batch_size, the batch size the learning "
                 "rate was tuned for; set it, e.g. --scaling.reference_batch_size=64"
             )
-        # Plain numbers: the parser's PositiveInt is a subclass that hparams.yaml and a weights-only checkpoint
-        # cannot hold.
+        # Plain numbers: hparams.yaml and a weights-only checkpoint cannot hold the parser's PositiveInt.
         self.global_batch_size = None if global_batch_size is None else int(global_batch_size)
         self.lr_scaling = lr_scaling
         self.reference_batch_size = None if reference_batch_size is None else int(reference_batch_size)
@@ -119,14 +111,12 @@ class BatchScaling(Callback):
 
     def apply_batch_size(self, trainer: Trainer, datamodule: Any, module: Any = None) -> int | None:
         """Set every holder of the batch size to the per-process batch of the global one, and return it (idempotent).
-
-        The command line calls it before the module is attached (``module`` None: a holder only the module has is
-        set in ``setup``), so the DataModule sees its batch from its first hook.
-        """
+        The command line calls it before the module is attached (``module`` None; ``setup`` calls it again), so the
+        DataModule sees its batch from its first hook."""
         holders = batch_size_holders(module, datamodule)
         names = " or ".join(type(o).__name__ for o in (datamodule, module) if o is not None) or "the run"
         if self.global_batch_size is None:
-            batch = _get(holders[-1]) if holders else None
+            batch = holders[-1][1].batch_size if holders else None
             if self.lr_scaling != "none" and not isinstance(batch, int) and (holders or module is not None):
                 raise ConfigError(
                     f"scaling.lr_scaling={self.lr_scaling} needs the batch size, but {names} has no integer "
@@ -143,15 +133,15 @@ class BatchScaling(Callback):
             )
         batch = per_process_batch_size(self.global_batch_size, trainer.world_size, trainer.accumulate_grad_batches)
         # A data.batch_size other than the constructor's default was set on purpose: it would be silently replaced.
-        current = _get(holders[-1])
+        current = holders[-1][1].batch_size
         default = _default_batch_size(holders[-1][0])
         if default is not None and current not in (batch, default):
             raise ConfigError(
                 f"data.batch_size={current} and scaling.global_batch_size={self.global_batch_size} "
                 f"both set the batch (the global one gives {batch} per process); keep one of them"
             )
-        for holder in holders:
-            _set(holder, batch)
+        for _, holder in holders:
+            holder.batch_size = batch
         return batch
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -161,9 +151,9 @@ class BatchScaling(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After Lightning restored the optimizer from a checkpoint: rescaling relative to the factor it holds applies
-        # the rule once, however often the run is resumed.
+        # the rule once, however often the run resumes.
         holders = batch_size_holders(pl_module, trainer.datamodule)
-        per_process = _get(holders[-1]) if holders else None
+        per_process = holders[-1][1].batch_size if holders else None
         if not isinstance(per_process, int):
             per_process = loader_batch_size(trainer.train_dataloader)
         shares = trainer.world_size * trainer.accumulate_grad_batches
@@ -191,48 +181,23 @@ class BatchScaling(Callback):
         self.applied_lr_factor = float(state_dict.get("lr_factor", 1.0))
 
 
-# A holder of the batch size: (the object, None) for an attribute, (the object, its hparams) for an hparams entry.
-Holder = tuple[Any, Any]
-
-
-def batch_size_holders(module: Any, datamodule: Any) -> list[Holder]:
-    """Where the batch size lives, as Lightning's batch-size finder looks (``lightning_setattr``): the module, its
-    hparams, the DataModule, its hparams; the last is read, all are set. Lightning's own functions need the module
-    attached to a Trainer, which the command line asks before."""
-    holders: list[Holder] = []
-    for owner in (module, datamodule):
-        if owner is None:
-            continue
-        if hasattr(owner, "batch_size"):
-            holders.append((owner, None))
-        hparams = getattr(owner, "hparams", None)
-        if hparams is not None and "batch_size" in hparams:
-            holders.append((owner, hparams))
-    return holders
-
-
-def _get(holder: Holder) -> Any:
-    owner, hparams = holder
-    return owner.batch_size if hparams is None else hparams["batch_size"]
-
-
-def _set(holder: Holder, value: int) -> None:
-    owner, hparams = holder
-    if hparams is None:
-        owner.batch_size = value
-    else:
-        hparams["batch_size"] = value
+def batch_size_holders(module: Any, datamodule: Any) -> list[tuple[Any, Any]]:
+    """(owner, holder) pairs where Lightning's ``lightning_setattr`` looks for the batch size: the module, its hparams,
+    the DataModule, its hparams (Lightning's needs the module attached). The last is read, all are set."""
+    return [
+        (owner, holder)
+        for owner in (module, datamodule)
+        for holder in (owner, getattr(owner, "hparams", None))
+        if hasattr(holder, "batch_size")
+    ]
 
 
 def loader_batch_size(loaders: Any) -> int | None:
     """The batch size of the first training DataLoader: its ``batch_size``, or its batch sampler's."""
     found: list[DataLoader] = []
     apply_to_collection(loaders, DataLoader, found.append)
-    for loader in found:
-        size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
-        if isinstance(size, int):
-            return size
-    return None
+    sizes = [loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) for loader in found]
+    return next((size for size in sizes if isinstance(size, int)), None)
 
 
 def run_summary(trainer: Trainer, per_process: int | None, effective: int | None, scaling: BatchScaling) -> dict:
@@ -245,7 +210,6 @@ def run_summary(trainer: Trainer, per_process: int | None, effective: int | None
         per_device = int(per_device) if per_device.is_integer() else round(per_device, 2)
     rates = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups[:1]]
     seed = os.environ.get("PL_GLOBAL_SEED")
-    # Who gave Lightning the ranks: SLURM, torchrun (TorchElastic) or Lightning's own launcher; none for one device.
     strategy = trainer.strategy
     cluster = getattr(strategy, "cluster_environment", None)
     return {
