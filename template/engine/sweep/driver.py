@@ -61,12 +61,9 @@ class Running:
 
 @dataclass
 class Driver:
-    """Runs ``sweep.workers`` trials at once on one study until it holds ``n_trials`` finished ones.
-
-    A trial is one fit, reported to the pruner at each validation; or, with ``folds``, its folds one after another,
-    each a fit in ``<trial folder>/fold-<k>/``, reported as the mean of their best values so far, valued the mean of
-    all. A cv's trials are a fold each.
-    """
+    """Runs ``sweep.workers`` trials at once until the study holds ``n_trials`` finished ones. A trial is one fit,
+    reported at each validation; with ``folds``, its folds one after another (``<trial folder>/fold-<k>/``), reported
+    as the running mean of their best values. A cv's trials are a fold each."""
 
     sweep: Sweep
     space: dict[str, BaseDistribution]

@@ -34,18 +34,16 @@ class Sweep:
         n_trials: trials that finish (complete or pruned); failed ones are replaced.
         workers: trials at once in this process.
         trials_per_gpu: trials that share each GPU (worker slots in a row get the same GPUs); 1 gives each its own.
-        gpu_memory_fraction: the share of each of its GPUs' memory one trial may allocate (its CUDA caching
-            allocator's limit), so that it cannot starve the others; null for no limit.
-        storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``,
-            ``mysql://...``, ``sqlite:///...``) or the path of a journal file on a shared disk.
+        gpu_memory_fraction: the share of its GPUs' memory one trial may allocate, so it cannot starve the others.
+        storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``) or the
+            path of a journal file on a shared disk.
         objective: the metric a trial scores (its best value); default ``checkpoint.monitor``.
         direction: minimize or maximize the objective; default from ``checkpoint.mode``.
         sampler: Optuna's TPE or random sampler.
         seed: the proposals are a function of the seed and the trial number; null for fresh ones each start.
         pruner: Optuna's median or hyperband pruner on the value at each validation, or none.
         max_failures: failed trials in a row that stop the sweep.
-        heartbeat: seconds between a running trial's heartbeats in a database storage; a trial silent for 4
-            heartbeats (its worker died) is failed and run again from its checkpoint by the next worker.
+        heartbeat: seconds between a trial's heartbeats; one silent for 4 (its worker died) is continued by another.
         enqueue: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
     """
 

@@ -22,13 +22,9 @@ _TAKEN = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState
 
 @dataclass(eq=False)
 class TrialSeeded(optuna.samplers.BaseSampler):
-    """Proposes all of ``space`` at once, from a fresh sampler seeded by ``(seed, trial number)`` and the study's
-    history: the same proposal for a number in one go, restarted or among workers (Optuna's seeded sampler draws one
-    sequence per process, so a restart would propose finished trials' values again, and workers the same values).
-
-    A proposal equal to another trial's values (finished, running or queued) is drawn again with another seed; only a
-    finite space whose every point is taken repeats values, and says so.
-    """
+    """Proposes all of ``space`` at once from a fresh sampler seeded by ``(seed, trial number)``, the same in one go,
+    restarted or among workers (Optuna's seeded sampler draws one sequence per process). A proposal equal to another
+    trial's values is drawn again; only a finite space whose every point is taken repeats values, and says so."""
 
     storage: optuna.storages.BaseStorage
     name: str

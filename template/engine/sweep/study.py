@@ -247,10 +247,8 @@ def _recorded(space: dict[str, BaseDistribution], folds: int) -> dict[str, Any]:
 
 
 def write_results(study: optuna.Study, folder: Path, objective: str, cv: bool = False) -> None:
-    """The table, printed and written as CSV: of a sweep's trials (with ``cv.folds`` each fold's best and their
-    standard deviation, as scikit-learn's ``cv_results_``), or of a cv's folds (each fold's best objective and the
-    metrics logged with it, their mean and standard deviation); then ``best.yaml`` and Optuna's plots, or a cv's
-    ``folds.md`` and its folds' validation curves."""
+    """The table of a sweep's trials (and their folds' scores, as scikit-learn's ``cv_results_``) then ``best.yaml``,
+    or of a cv's folds (each one's metrics at its best, their mean and deviation) then ``folds.md``; and the plots."""
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
     header, rows = (_folds if cv else _trials)(trials, folder, objective)
     text = io.StringIO(newline="")
