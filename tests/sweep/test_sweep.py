@@ -296,7 +296,7 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(tmp_path: Path, run_c
 
 def test_trials_at_once_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     from template.engine.errors import ConfigError
-    from template.engine.sweep.devices import slot_gpus
+    from template.engine.sweep.driver import slot_gpus
 
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     assert slot_gpus({"devices": 2}, ["h.0", "h.1"], environ={}) == {"h.0": "0,1", "h.1": "2,3"}

@@ -18,7 +18,7 @@ from tests.conftest import CONFIGS, REPO, cli_env
 optuna = pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
 
 from template.engine.errors import ConfigError  # noqa: E402
-from template.engine.sweep.devices import slot_gpus  # noqa: E402
+from template.engine.sweep.driver import slot_gpus  # noqa: E402
 from template.engine.sweep.reporter import MEMORY_FRACTION, ObjectiveReporter  # noqa: E402
 
 WAIT = 600

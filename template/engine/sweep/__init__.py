@@ -1,22 +1,16 @@
-"""``python -m template sweep`` (an Optuna search whose trials are ``fit`` processes) and ``cv`` (k-fold
-cross-validation, a study whose trials are the folds); ``fold_indices``, the split a DataModule folds by.
+"""``sweep`` (an Optuna search whose trials are ``fit`` processes) and ``cv`` (k-fold cross-validation, a study whose
+trials are the folds); ``fold_indices``. ``study`` runs either with ``options``, ``sampler`` and ``driver`` (whose
+trials run ``reporter``). Uses ``commands`` and every package below it."""
 
-``study`` runs a command: ``options`` (its section, read by the fit parser), ``driver`` (trials and their folds as
-processes, pruning, restarts, workers; ``reporter`` is the trial's side), ``sampler``, ``devices``, ``results``.
-Uses ``commands`` and every package below it.
-"""
+import importlib.util
 
-from __future__ import annotations
+from template.engine.errors import ConfigError
 
 
 def main(argv: list[str], command: str = "sweep") -> int:
     """Run or continue the sweep (or the cross-validation, ``cv``) the arguments describe; the exit code."""
-    try:
-        import optuna  # noqa: F401
-    except ImportError:
-        from template.engine.errors import ConfigError
-
-        raise ConfigError(f"the {command} needs Optuna; install the extra: pip install -e '.[sweep]'") from None
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError(f"the {command} needs Optuna; install the extra: pip install -e '.[sweep]'")
     from template.engine.sweep.study import run
 
     return run(argv, command)

@@ -1,9 +1,10 @@
-"""The driver: asks Optuna for trials, runs each (each of its folds) as a ``fit`` process, reports, prunes, records."""
+"""The driver: asks Optuna for trials, runs each (each of its folds) as a ``fit`` process in a worker slot with its own
+GPUs, reports, prunes, records."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import functools
 import json
 import math
 import os
@@ -15,26 +16,31 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
+import torch
 import yaml
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from template.engine.errors import ConfigError
 from template.engine.jobs.processes import die_with_parent, requeue_slurm_job
-from template.engine.store import atomic_write
+from template.engine.store import Lock, atomic_write, try_lock
+from template.engine.strategies.devices import gpu_count
 from template.engine.sweep.folds import FOLD
 from template.engine.sweep.options import Configs, Sweep
 from template.engine.sweep.reporter import MEMORY_FRACTION, NOT_LOGGED, REPORTER, REPORTS
 
 STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a dead worker
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran, in order
+FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
+# A trial gets SIGTERM (so writes its checkpoint) when the driver dies, rather than training on unowned.
+_DIES_WITH_US = functools.partial(die_with_parent, signal.SIGTERM)
 
 
 @dataclass
@@ -42,7 +48,7 @@ class Running:
     """A trial's fit process (one of its folds), and what the driver has read from it."""
 
     trial: Trial
-    folder: str  # its run folder in the study's folder
+    folder: str  # in the study's folder
     fold: int | None  # None: one fit on the DataModule's own split, reported at each validation
     process: subprocess.Popen
     reported: set[int]
@@ -55,12 +61,9 @@ class Running:
 
 @dataclass
 class Driver:
-    """Runs ``sweep.workers`` trials at once on one study until it holds ``n_trials`` finished ones.
-
-    A trial is one fit, reported to the pruner at each validation; or, with ``folds``, a cross-validation: its folds
-    run one after another in its slot, each a fit in ``<trial folder>/fold-<k>/``, the mean of their best values so
-    far its value at step k (what the pruner compares), the mean over all its value. A cv's trials are a fold each.
-    """
+    """Runs ``sweep.workers`` trials at once until the study holds ``n_trials`` finished ones. A trial is one fit,
+    reported at each validation; with ``folds``, its folds one after another (``<trial folder>/fold-<k>/``), reported
+    as the running mean of their best values. A cv's trials are a fold each."""
 
     sweep: Sweep
     space: dict[str, BaseDistribution]
@@ -70,7 +73,7 @@ class Driver:
     folder: Path
     slots: list[str]
     gpus: dict[str, str]
-    title: str  # what its lines on the console start with
+    title: str  # its console lines' start
     folds: int = 0
     running: dict[str, Running] = field(default_factory=dict)
     failures_in_a_row: int = 0
@@ -111,8 +114,7 @@ class Driver:
         self._terminate_all(None)
         name = signal.Signals(self.stop_signal).name
         print(f"{self.title}: stopped on {name}; run the same command to continue", file=sys.stderr)
-        failure = requeue_slurm_job() if name == "SIGUSR1" and os.environ.get("SLURM_JOB_ID") else None
-        if failure is not None:
+        if name == "SIGUSR1" and os.environ.get("SLURM_JOB_ID") and (failure := requeue_slurm_job()) is not None:
             print(f"{self.title}: {failure}; submit the same command again to continue", file=sys.stderr)
         return 128 + self.stop_signal
 
@@ -120,8 +122,7 @@ class Driver:
         trials, running = self._trials(), {r.trial.number for r in self.running.values()}
         # This worker's, killed before it started, while it ran or before its end was recorded: taken up again.
         mine = [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("worker") == slot]
-        mine = [t for t in mine if t.number not in running]
-        if mine:
+        if mine := [t for t in mine if t.number not in running]:
             trial = Trial(self.study, self._id(mine[0]))
         else:
             n, waiting = self.sweep.n_trials, any(t.state == TrialState.WAITING for t in trials)
@@ -165,7 +166,7 @@ class Driver:
         command = [sys.executable, "-m", __package__.split(".")[0], "fit", "--config", str(path)]
         with (self.folder / f"{run}.log").open("a") as log:  # the process has its own copy of the file
             options = {"stdout": log, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL, "env": env}
-            process = subprocess.Popen(command, **options, preexec_fn=_dies_with_us)
+            process = subprocess.Popen(command, **options, preexec_fn=_DIES_WITH_US)
         reported = set(self._trials()[trial.number].intermediate_values)  # a continued trial's reports stay
         self.running[slot] = Running(trial, run, fold, process, reported)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
@@ -240,12 +241,11 @@ class Driver:
         self._progress(self._trials()[trial.number])
 
     def _fold_ended(self, running: Running, best: float) -> float | None:
-        """The fold's best value recorded, the running mean reported at step k; the mean once the trial's last fold
-        ended, else None: its next fold runs unless the pruner stops it here."""
+        """Record the fold's best value, report the running mean at step k; the mean once the last fold ended, else
+        None: the next fold runs unless the pruner stops the trial here."""
         trial = running.trial
         scores = [*trial.user_attrs.get(FOLD_SCORES, []), best]
-        # The report first: killed between the two writes, the fold runs again (to its end, from its checkpoint) and
-        # its report is there; the other order would leave the fold scored but never reported.
+        # The report first: killed between the two writes, the fold runs again and its report is there.
         if len(scores) - 1 not in running.reported:
             trial.report(statistics.fmean(scores), len(scores) - 1)
         trial.set_user_attr(FOLD_SCORES, scores)
@@ -258,8 +258,7 @@ class Driver:
     def _retry_stale(self) -> None:
         """Trials of a worker that died elsewhere (silent heartbeat) are failed and queued again, in their folder."""
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            # A worker killed right after Optuna created its trial left neither a heartbeat nor its id.
-            beat = t.user_attrs.get("heartbeat") or t.datetime_start.timestamp()
+            beat = t.user_attrs.get("heartbeat") or t.datetime_start.timestamp()  # killed as Optuna created it
             if time.time() - beat < STALE_HEARTBEATS * self.sweep.heartbeat or t.user_attrs.get("worker") in self.slots:
                 continue  # alive, or ours: continued by _start_next
             try:  # the reason first: Optuna refuses to change a finished trial
@@ -285,8 +284,7 @@ class Driver:
         best = ""
         with contextlib.suppress(ValueError):
             best = f"; best {objective}={self.study.best_value:.6g} ({who(self.study.best_trial)})"
-        done = sum(t.state in FINISHED for t in self._trials())
-        state = trial.state.name.lower()
+        done, state = sum(t.state in FINISHED for t in self._trials()), trial.state.name.lower()
         print(f"{self.title}: {done}/{self.sweep.n_trials} finished; {who(trial)} {state} ({score}){best}", flush=True)
 
     def _terminate_all(self, why: str | None) -> None:
@@ -324,29 +322,51 @@ def trial_config(config: dict[str, Any], sweep: Sweep, run: str) -> dict[str, An
     return config
 
 
-def claim_slots(folder: Path, workers: int) -> dict[str, int]:
-    """Worker ids ``<host>.<n>`` for this process, each with the descriptor holding its lock (the kernel frees a dead
-    process's): a trial records its worker, and started again, the same worker continues it at once."""
+def claim_slots(folder: Path, workers: int) -> dict[str, Lock]:
+    """Worker ids ``<host>.<n>`` for this process, each with its lock (the kernel frees a dead process's): a trial
+    records its worker, and started again, the same worker continues it at once."""
     (folder / "workers").mkdir(parents=True, exist_ok=True)
     array = os.environ.get("SLURM_ARRAY_JOB_ID")  # a requeued array task may land on another node: it keeps its id
     host = f"slurm-{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}" if array else socket.gethostname()
     host, slots, n = host.split(".")[0] or "host", {}, 0
     while len(slots) < workers:
-        if (fd := lock(folder / "workers" / f"{host}.{n}.lock")) is not None:
-            slots[f"{host}.{n}"] = fd
+        if (lock := try_lock(folder / "workers" / f"{host}.{n}.lock")) is not None:
+            slots[f"{host}.{n}"] = lock
         n += 1
     return slots
 
 
-def lock(path: Path) -> int | None:
-    """An open descriptor holding the exclusive lock of ``path``; None where another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+def slot_gpus(
+    trainer: Mapping[str, Any], slots: list[str], per_gpu: int = 1, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for each worker slot: slot ``<host>.<n>`` gets group ``n // per_gpu`` of the visible
+    GPUs (numbered over the machine's workers, so two sweep commands get different ones); none for a CPU config."""
+    cpu = str(trainer.get("accelerator", "auto")).lower() == "cpu"
+    if cpu or isinstance(trainer.get("devices"), list):  # a list: the user's own GPUs, the same for every trial
+        return {}
+    count = gpu_count(trainer.get("devices", "auto")) or None
+    available = torch.cuda.device_count()  # NVML-based: creates no CUDA context
+    if count is None or available == 0:
+        if available and len(slots) > 1:
+            raise ConfigError(
+                f"trainer.devices={trainer.get('devices')!r} takes every GPU, so sweep.workers={len(slots)} trials "
+                "cannot run at once; set trainer.devices to a number of GPUs per trial (e.g. 1) or sweep.workers: 1"
+            )
+        return {}
+    hidden = environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in hidden.split(",") if d.strip()] if hidden else [str(i) for i in range(available)]
+    groups = {}
+    for slot in slots:
+        n = int(slot.rsplit(".", 1)[1])
+        first = n // per_gpu * count
+        if len(visible) < first + count:
+            raise ConfigError(
+                f"worker slot {n} needs GPUs {first}..{first + count - 1} ({count} per trial from trainer.devices, "
+                f"sweep.trials_per_gpu={per_gpu}) but {len(visible)} are visible; lower sweep.workers or "
+                "trainer.devices, or raise sweep.trials_per_gpu"
+            )
+        groups[slot] = ",".join(visible[first : first + count])
+    return groups
 
 
 def _suggest(trial: Trial, key: str, d: BaseDistribution) -> Any:
@@ -367,8 +387,3 @@ def _reason(log: Path, code: int) -> str:
         if _EXCEPTION.match(line):
             return line[:300]
     return f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
-
-
-def _dies_with_us() -> None:
-    """A trial gets SIGTERM (and so writes its checkpoint) when the driver dies, instead of running on unowned."""
-    die_with_parent(signal.SIGTERM)

@@ -34,18 +34,16 @@ class Sweep:
         n_trials: trials that finish (complete or pruned); failed ones are replaced.
         workers: trials at once in this process.
         trials_per_gpu: trials that share each GPU (worker slots in a row get the same GPUs); 1 gives each its own.
-        gpu_memory_fraction: the share of each of its GPUs' memory one trial may allocate (its CUDA caching
-            allocator's limit), so that one trial cannot starve the others on the GPU; null for no limit.
-        storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``,
-            ``mysql://...``, ``sqlite:///...``) or the path of a journal file on a shared disk.
+        gpu_memory_fraction: the share of its GPUs' memory one trial may allocate, so it cannot starve the others.
+        storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``) or the
+            path of a journal file on a shared disk.
         objective: the metric a trial scores (its best value); default ``checkpoint.monitor``.
         direction: minimize or maximize the objective; default from ``checkpoint.mode``.
         sampler: Optuna's TPE or random sampler.
         seed: the proposals are a function of the seed and the trial number; null for fresh ones each start.
         pruner: Optuna's median or hyperband pruner on the value at each validation, or none.
         max_failures: failed trials in a row that stop the sweep.
-        heartbeat: seconds between a running trial's heartbeats in a database storage; a trial silent for 4
-            heartbeats (its worker died) is failed and run again from its checkpoint by the next worker.
+        heartbeat: seconds between a trial's heartbeats; one silent for 4 (its worker died) is continued by another.
         enqueue: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
     """
 
@@ -107,15 +105,11 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class _Parse(CLI):
-    """The fit command line with the command's sections added, parsing configs without building anything."""
+    """The fit command line with the command's sections added; it parses and builds nothing."""
 
     def __init__(self, sections: dict[str, type], *args: Any, **kwargs: Any) -> None:
         self.own_sections = sections
         super().__init__(*args, **kwargs)
-
-    @override
-    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        return super().init_parser(**{**kwargs, "exit_on_error": False})
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -127,40 +121,31 @@ class _Parse(CLI):
     def before_instantiate_classes(self) -> None:
         pass
 
-    @override
-    def instantiate_classes(self) -> None:
-        pass
+    instantiate_classes = before_instantiate_classes
 
 
 class Configs:
-    """The command's arguments read once by the fit parser with the command's sections (``SWEEP`` or ``CV``);
-    each trial's complete fit config, the sections left out."""
+    """The command's arguments read once by the fit parser with its sections (``SWEEP`` or ``CV``); each trial's
+    complete fit config, the sections left out."""
 
     def __init__(self, argv: list[str], sections: dict[str, type]) -> None:
         self.argv, self.sections = list(argv), sections
         self.fixed: dict[str, Any] = {}  # values every trial gets (``data.num_folds`` in a cross-validation)
-        cli = functools.partial(_Parse, sections)
-        self.cli = _parsed(lambda: build_cli(self.argv, run=False, cli_class=cli), "")
+        try:
+            self.cli = build_cli(self.argv, run=False, cli_class=functools.partial(_Parse, sections))
+        except (ArgumentError, ValueError, TypeError) as err:
+            raise ConfigError(explain_parser_error(str(err))) from None
         self.options = {name: options(**self.cli.config[name].as_dict()) for name, options in sections.items()}
 
     def complete(self, values: dict[str, Any], what: str = "") -> dict[str, Any]:
         """The full fit config of the arguments with ``values`` (option -> value) set, as plain data."""
-        given = {**self.fixed, **values}
-        args = [*self.argv, *(f"--{key}={json.dumps(value)}" for key, value in given.items())]
-
-        def parse() -> Any:
+        args = [*self.argv, *(f"--{key}={json.dumps(value)}" for key, value in {**self.fixed, **values}.items())]
+        try:
             self.cli.parse_arguments(self.cli.parser, args)
-            return self.cli.config
-
-        config = yaml.safe_load(self.cli.parser.dump(_parsed(parse, what), skip_none=False))
+        except (ArgumentError, ValueError, TypeError) as err:
+            raise ConfigError(f"{what}{explain_parser_error(str(err))}") from None
+        config = yaml.safe_load(self.cli.parser.dump(self.cli.config, skip_none=False))
         return {key: value for key, value in config.items() if key not in self.sections}
-
-
-def _parsed(parse: Any, what: str) -> Any:
-    try:
-        return parse()
-    except (ArgumentError, ValueError, TypeError) as err:
-        raise ConfigError(f"{what}{explain_parser_error(str(err))}") from None
 
 
 def print_help(command: str, sections: dict[str, type], more: str = "") -> None:
@@ -173,7 +158,7 @@ def print_help(command: str, sections: dict[str, type], more: str = "") -> None:
 
 
 def search_space(sweep: Sweep) -> dict[str, BaseDistribution]:
-    """Every mistake in the sweep's options that needs no fit config, as one line; Optuna's distributions."""
+    """Optuna's distributions for ``sweep.space``; a mistake in the options that needs no fit config, in one line."""
     if not _NAME.fullmatch(sweep.name):
         raise ConfigError(
             f"sweep.name={sweep.name!r} is not a folder name; use letters, digits, '.', '_' and '-', e.g. digits-lr"
@@ -193,7 +178,7 @@ def search_space(sweep: Sweep) -> dict[str, BaseDistribution]:
 
 
 def _distribution(key: str, spec: Any) -> BaseDistribution:
-    """Optuna's distribution for one entry of the space; Optuna checks its ranges, this what Optuna takes silently."""
+    # Optuna checks the ranges; this, what it would take silently.
     where = f"sweep.space['{key}']"
     if not isinstance(spec, dict):
         raise ConfigError(f"{where} is {spec!r}; write {{type: float, low: ..., high: ...}} or {{type: categorical}}")

@@ -1,9 +1,4 @@
-"""The sweep's sampler: Optuna's TPE or random sampler, seeded per trial number, never proposing taken values.
-
-Optuna's seeded sampler draws one sequence per process: restarted, it proposes finished trials' values again, and
-workers with one seed propose the same values at once. Here a fresh sampler seeded from ``(sweep.seed, trial number)``
-draws each trial's proposal, the same for a number in one go, restarted, or shared by workers (other numbers).
-"""
+"""The sweep's sampler: Optuna's TPE or random sampler, seeded per trial number, never proposing taken values."""
 
 from __future__ import annotations
 
@@ -11,6 +6,7 @@ import hashlib
 import itertools
 import math
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -24,24 +20,18 @@ _GRID = 100_000  # the most points of a finite space listed to find one no trial
 _TAKEN = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
 
 
+@dataclass(eq=False)
 class TrialSeeded(optuna.samplers.BaseSampler):
-    """Proposes all of ``space`` at once (Optuna's relative sampling), for the trial's number and the study's history.
+    """Proposes all of ``space`` at once from a fresh sampler seeded by ``(seed, trial number)``, the same in one go,
+    restarted or among workers (Optuna's seeded sampler draws one sequence per process). A proposal equal to another
+    trial's values is drawn again; only a finite space whose every point is taken repeats values, and says so."""
 
-    A proposal equal to the values of another trial (finished, running or queued) is drawn again with another seed
-    derived from the number; only a finite space whose every point is taken repeats values, and says so.
-    """
-
-    def __init__(
-        self,
-        storage: optuna.storages.BaseStorage,
-        name: str,
-        space: dict[str, BaseDistribution],
-        kind: str,
-        seed: int | None,
-        startup: int,
-    ) -> None:
-        self.storage, self.name, self.space = storage, name, space
-        self.kind, self.seed, self.startup = kind, seed, startup
+    storage: optuna.storages.BaseStorage
+    name: str
+    space: dict[str, BaseDistribution]
+    kind: str  # tpe or random
+    seed: int | None
+    startup: int  # TPE's random trials first
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return dict(self.space)
@@ -49,15 +39,13 @@ class TrialSeeded(optuna.samplers.BaseSampler):
     def sample_relative(
         self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
-        if not search_space:
-            return {}
         # Values a queued trial was given, or that a trial killed while its values were chosen already has, stay.
         fixed = {**queued_values(trial), **trial.params}
-        # Every trial of the study: under the hyperband pruner ``study`` holds only the trial's bracket.
-        study_id = self.storage.get_study_id_from_name(self.name)
+        study_id = self.storage.get_study_id_from_name(self.name)  # under hyperband ``study`` is the trial's bracket
         trials = self.storage.get_all_trials(study_id, deepcopy=False, states=_TAKEN)
-        others = [t for t in trials if t.number != trial.number]
-        taken = {_point(search_space, _values(t)): t.number for t in others}
+        taken = {
+            _point(search_space, t.params or queued_values(t)): t.number for t in trials if t.number != trial.number
+        }
         for attempt in range(2 * _DRAWS):
             proposal = {**_draw(self._sampler(trial.number, attempt), study, trial, search_space), **fixed}
             if _point(search_space, proposal) not in taken:
@@ -65,7 +53,7 @@ class TrialSeeded(optuna.samplers.BaseSampler):
         grid = _grid(search_space, fixed)
         free = [p for p in grid or [] if _point(search_space, p) not in taken]
         if free:
-            return random.Random(seed_for(self.seed, trial.number, 2 * _DRAWS)).choice(free)
+            return random.Random(_seed(self.seed, trial.number, 2 * _DRAWS)).choice(free)
         repeated = taken[_point(search_space, proposal)]
         given = " with the values it was given" if fixed else ""
         why = f"all {len(grid)} points of sweep.space{given} are taken" if grid else f"{2 * _DRAWS} draws found none"
@@ -75,18 +63,17 @@ class TrialSeeded(optuna.samplers.BaseSampler):
     def sample_independent(
         self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
     ) -> Any:
-        # Only for an option outside sweep.space (the driver suggests none): a uniform draw for the trial's number.
+        # Only for an option outside sweep.space, which the driver never suggests.
         return self._sampler(trial.number, 2 * _DRAWS).sample_independent(study, trial, param_name, param_distribution)
 
     def _sampler(self, number: int, attempt: int) -> optuna.samplers.BaseSampler:
-        seed = seed_for(self.seed, number, attempt)
+        seed = _seed(self.seed, number, attempt)
         if self.kind == "random" or attempt >= _DRAWS:
             return optuna.samplers.RandomSampler(seed=seed)
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.startup)
 
 
-def seed_for(seed: int | None, number: int, attempt: int) -> int | None:
-    """The seed of one draw for one trial: a function of the sweep's seed and the trial's number only."""
+def _seed(seed: int | None, number: int, attempt: int) -> int | None:
     if seed is None:
         return None
     return int.from_bytes(hashlib.sha256(f"{seed}/{number}/{attempt}".encode()).digest()[:4], "little")
@@ -102,10 +89,6 @@ def _draw(
         if name not in values:
             values[name] = sampler.sample_independent(study, trial, name, distribution)
     return values
-
-
-def _values(trial: FrozenTrial) -> dict[str, Any]:
-    return trial.params or queued_values(trial)
 
 
 def _point(space: dict[str, BaseDistribution], values: dict[str, Any]) -> tuple | None:

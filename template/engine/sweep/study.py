@@ -1,30 +1,44 @@
-"""``sweep`` and ``cv`` from the command line to the results: every check, the Optuna study, the driver."""
+"""``sweep`` and ``cv`` from the command line to the results: every check, the Optuna study, the driver, the table,
+``best.yaml`` and the plots."""
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import functools
 import hashlib
+import inspect
+import io
 import json
-import os
+import logging.handlers
+import pydoc
 import re
+import statistics
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import optuna
+import yaml
+from jsonargparse import ArgumentParser
+from lightning.pytorch import LightningDataModule
 from optuna.distributions import BaseDistribution, CategoricalDistribution, distribution_to_json
+from optuna.trial import FrozenTrial, TrialState
 
 from template.engine.commands import preflight as config_files
-from template.engine.errors import ConfigError
-from template.engine.runs import LOGS
-from template.engine.sweep.devices import slot_gpus
-from template.engine.sweep.driver import Driver, claim_slots
-from template.engine.sweep.folds import FOLD, prepare
+from template.engine.errors import ConfigError, config_error_in
+from template.engine.runs import METRICS, run_dir
+from template.engine.runs.table import format_table
+from template.engine.store import atomic_write
+from template.engine.sweep.driver import FOLD_SCORES, Driver, claim_slots, slot_gpus, who
+from template.engine.sweep.folds import FOLD, PROTOCOL, log
 from template.engine.sweep.options import CV, SWEEP, Configs, Sweep, print_help, search_space
-from template.engine.sweep.results import write_results
+from template.engine.sweep.reporter import REPORTER, REPORTS
 from template.engine.sweep.sampler import TrialSeeded
 
-JOURNAL = "study.journal"
+JOURNAL, TABLE, FOLDS, BEST = "study.journal", "trials.csv", "folds.csv", "best.yaml"
 SPACE = "space"  # the study's user attribute that records sweep.space
 MORE_HELP = "\n--cv.folds=k (or a cv: section): each trial a k-fold cross-validation, scored by the mean\n"
 
@@ -66,15 +80,53 @@ def _configs(argv: list[str], command: str) -> Configs:
         raise
 
 
+def prepare(configs: Configs, k: int, stratify: bool) -> tuple[str, dict[str, Any]]:
+    """Refuse a DataModule that cannot be split in ``k`` folds (fold 0's is set up here, so that its refusals come
+    first), give every trial ``data.num_folds``; the split in words and the complete config."""
+    data = configs.complete({})["data"]
+    if not {"fold", "num_folds"} <= set(inspect.signature(pydoc.locate(data["class_path"])).parameters):
+        raise ConfigError(
+            f"{data['class_path']} cannot be cross-validated: its __init__ needs the arguments ({PROTOCOL}) and a "
+            "split by template.engine.fold_indices (see docs/cv.md)"
+        )
+    configs.fixed["data.num_folds"] = k
+    config = configs.complete({FOLD: 0})
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningDataModule, "data")
+    splits, level = logging.handlers.BufferingHandler(capacity=1000), log.level  # what fold_indices logs
+    log.addHandler(splits)
+    log.setLevel(logging.DEBUG)
+    try:
+        module = parser.instantiate_classes(parser.parse_object({"data": config["data"]})).data
+        module.prepare_data()
+        module.setup("fit")
+    except Exception as err:
+        if (cause := config_error_in(err)) is not None:
+            raise ConfigError(f"cv.folds={k}: {cause}") from None
+        raise
+    finally:
+        log.removeHandler(splits)
+        log.setLevel(level)
+    split = splits.buffer[-1] if splits.buffer else None
+    if stratify and (split is None or split.kind != "stratified by label"):
+        raise ConfigError(
+            f"cv.stratify=true, but {data['class_path']} gives fold_indices no labels; pass labels= to it, or drop "
+            "cv.stratify for plain k-fold"
+        )
+    said = f"{split.samples} samples, {split.kind}" if split else f"its samples, split by {data['class_path']}"
+    config["data"]["init_args"]["fold"] = None
+    return f"{k} folds of {said}", config
+
+
 def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) -> int:
     """Check the study against the fit config, then run (or continue) it and write its results; the exit code."""
     space = search_space(sweep)
     base = configs.complete({})
-    sweep.objective = sweep.objective or base.get("checkpoint", {}).get("monitor")
+    checkpoint = base.get("checkpoint", {})
+    sweep.objective = sweep.objective or checkpoint.get("monitor")
     if not sweep.objective:
         raise ConfigError("the sweep has no objective; set sweep.objective or checkpoint.monitor to a logged metric")
-    mode = base.get("checkpoint", {}).get("mode", "min")
-    sweep.direction = sweep.direction or ("maximize" if mode == "max" else "minimize")
+    sweep.direction = sweep.direction or ("maximize" if checkpoint.get("mode", "min") == "max" else "minimize")
     for key, d in space.items():  # each choice, or the lowest value, taken by the fit parser
         for value in d.choices if isinstance(d, CategoricalDistribution) else [d.low]:
             configs.complete({key: value}, what=f"sweep.space['{key}']: ")
@@ -82,7 +134,7 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
         configs.complete(values, what="sweep.enqueue: ")
     trainer = base.get("trainer", {})
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
-    folder = Path(trainer.get("default_root_dir") or ".") / LOGS / sweep.name
+    folder = run_dir(trainer.get("default_root_dir"), sweep.name)
     storage = open_storage(sweep.storage, folder)
     if storage is not None:
         check_space(storage, sweep.name, space, folds)
@@ -105,8 +157,8 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
             print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {url}")
         return code
     finally:
-        for fd in slots.values():
-            os.close(fd)
+        for lock in slots.values():
+            lock.release()
         optuna.logging.set_verbosity(verbosity)
 
 
@@ -119,7 +171,9 @@ def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage |
             raise ConfigError(f"sweep.storage={url!r}: folder {Path(url).parent} does not exist; create it first")
         return _journal(Path(url))
     try:
-        return _rdb_storage(url)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _rdb_storage(url)
     except Exception as err:  # SQLAlchemy's OperationalError, a missing driver module, a malformed URL...
         reason = " ".join(str(err).split()).split("(Background on this error")[0][:300]
         raise ConfigError(
@@ -128,27 +182,29 @@ def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage |
         ) from None
 
 
-def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
-    """Optuna's RDBStorage; several workers starting at once on a new database race to create its tables, and the
-    losers' CREATE fails with a duplicate: they try again and find the tables made."""
+def _rdb_storage(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's RDBStorage. Workers starting at once on a new database race to create its tables: a loser's CREATE
+    fails with a duplicate, and it tries again."""
     import sqlalchemy.exc
 
     # A down server fails in seconds rather than after the driver's default TCP timeout.
     engine = {"connect_args": {"connect_timeout": 10}} if url.startswith("postgresql") else {}
-    for attempt in range(attempts):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return optuna.storages.RDBStorage(url, engine_kwargs=engine)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.5 * (attempt + 1))
-    raise AssertionError("unreachable")
+    for attempt in range(1, 5):
+        with contextlib.suppress(sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+        time.sleep(0.5 * attempt)
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine)
 
 
 def _without_password(url: str) -> str:
     return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+
+
+def _journal(path: Path) -> optuna.storages.JournalStorage:
+    # Optuna's default lock (a symlink to the path as given) dangles for a relative path or another machine's mount
+    # point, so a stale one left by a killed writer is never released; this one is.
+    lock = optuna.storages.journal.JournalFileOpenLock(str(path))
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path), lock_obj=lock))
 
 
 def open_study(
@@ -175,10 +231,8 @@ def check_space(
 ) -> None:
     """Refuse to continue a study with another search space (or another ``cv.folds``): its trials would mix two."""
     try:
-        recorded = storage.get_study_user_attrs(storage.get_study_id_from_name(name)).get(SPACE)
-    except KeyError:  # no such study yet
-        return
-    if recorded is None:  # its first worker was killed before it recorded the space
+        recorded = storage.get_study_user_attrs(storage.get_study_id_from_name(name))[SPACE]
+    except KeyError:  # no such study yet, or its first worker was killed before it recorded the space
         return
     given = _recorded(space, folds)
     if differ := sorted(k for k in {*recorded, *given} if recorded.get(k) != given.get(k)):
@@ -192,9 +246,122 @@ def _recorded(space: dict[str, BaseDistribution], folds: int) -> dict[str, Any]:
     return {**{key: distribution_to_json(d) for key, d in space.items()}, **({"cv.folds": folds} if folds else {})}
 
 
-def _journal(path: Path) -> optuna.storages.JournalStorage:
-    # A worker killed while it writes leaves the journal's lock behind; Optuna releases a stale lock after its grace
-    # period, but only one whose mtime it can read: its default lock, a symlink to the journal's path as given,
-    # dangles for a relative path (or another machine's mount point) and every later writer waits on it forever.
-    lock = optuna.storages.journal.JournalFileOpenLock(str(path))
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path), lock_obj=lock))
+def write_results(study: optuna.Study, folder: Path, objective: str, cv: bool = False) -> None:
+    """The table of a sweep's trials (and their folds' scores, as scikit-learn's ``cv_results_``) then ``best.yaml``,
+    or of a cv's folds (each one's metrics at its best, their mean and deviation) then ``folds.md``; and the plots."""
+    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
+    header, rows = (_folds if cv else _trials)(trials, folder, objective)
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows([header, *rows])
+    atomic_write(folder / (FOLDS if cv else TABLE), lambda f: f.write(text.getvalue().encode()))
+    cells = [[f"{v:.6g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    print(format_table(header, cells))
+    if cv:
+        lines = ["| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *cells]]
+        atomic_write(folder / "folds.md", lambda f: f.write("\n".join([*lines, ""]).encode()))
+        plotted = _plots(folder, {"curves.png": _curves}, trials, folder, objective)
+        print(f"Table: {folder / FOLDS}, folds.md" + (", plot: curves.png" if plotted else ""))
+        print(f"CV {study.study_name}: {objective} {rows[-2][1]:.6g} +- {rows[-1][1]:.3g} over {len(rows) - 2} folds")
+        return
+    print(f"Table: {folder / TABLE}")
+    if any(t.state == TrialState.COMPLETE for t in trials):
+        best = study.best_trial
+        run = best.user_attrs["folder"] + ("/fold-0" if FOLD_SCORES in best.user_attrs else "")
+        config = reproduction(yaml.safe_load((folder / f"{run}.yaml").read_text()))
+        atomic_write(folder / BEST, lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()))
+        print(f"Best: trial {best.number}, {objective}={best.value:.6g}; reproduce it with")
+        print(f"  python -m {__package__.split('.')[0]} fit --config {folder / BEST}")
+    from optuna.visualization import matplotlib as plot
+
+    names = ("history.png", "importances.png", "parallel_coordinates.png")
+    kinds = (plot.plot_optimization_history, plot.plot_param_importances, plot.plot_parallel_coordinate)
+    for name in _plots(folder, dict(zip(names, kinds, strict=True)), study):
+        print(f"Plot: {folder / name}")
+
+
+def _trials(trials: list[FrozenTrial], folder: Path, objective: str) -> tuple[list[str], list[list[Any]]]:
+    keys = sorted({k for t in trials for k in t.params})
+    folds = max((len(t.user_attrs.get(FOLD_SCORES, [])) for t in trials), default=0)
+    header = ["trial", *keys, objective, *(f"fold {k}" for k in range(folds)), *(["std"] if folds else [])]
+    rows = []
+    for t in trials:
+        scores = t.user_attrs.get(FOLD_SCORES, [])
+        std = [statistics.stdev(scores) if len(scores) == folds else ""] if folds else []
+        rows.append(
+            [t.number, *(t.params.get(k, "") for k in keys), "" if t.value is None else t.value]
+            + [*scores, *[""] * (folds - len(scores)), *std]
+            + [t.state.name.lower(), t.user_attrs.get("seconds", ""), str(folder / t.user_attrs.get("folder", ""))]
+            + [t.user_attrs.get("reason", "")]
+        )
+    return [*header, "state", "seconds", "folder", "reason"], rows
+
+
+def _folds(trials: list[FrozenTrial], folder: Path, objective: str) -> tuple[list[str], list[list[Any]]]:
+    done = sorted((t.params[FOLD], t) for t in trials if t.state == TrialState.COMPLETE)
+    best = {k: _best_row(folder / f"fold-{k}", objective, t.value) for k, t in done}
+    keys = [objective, *sorted({key for row in best.values() for key in row} - {objective})]
+    rows: list[list[Any]] = [[k, *(row.get(key, "") for key in keys)] for k, row in best.items()]
+    for what, stat in (("mean", statistics.mean), ("std", statistics.stdev)):
+        columns = [[row[key] for row in best.values() if key in row] for key in keys]
+        rows.append([what, *(stat(c) if len(c) == len(best) else "" for c in columns)])
+    return ["fold", *keys], rows
+
+
+def _best_row(run: Path, objective: str, best: float) -> dict[str, float]:
+    """The metrics a fold logged at the validation where its objective was best (its ``metrics.csv`` row)."""
+    with (run / METRICS).open(newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get(objective)]
+    row = min(rows, key=lambda r: abs(float(r[objective]) - best), default={})
+    values = {key: float(value) for key, value in row.items() if value and key not in ("epoch", "step")}
+    return {**values, objective: best}  # the objective as the study scored it, the others from the same validation
+
+
+def reproduction(config: dict[str, Any]) -> dict[str, Any]:
+    """A trial's config as a plain fit: no reporter, a new run folder of its own, the DataModule's own split."""
+    config.get("run", {})["name"] = None
+    data = config.get("data", {}).get("init_args") or {}
+    if "fold" in data:
+        data["fold"] = None
+    trainer = config.get("trainer", {})
+    trainer["callbacks"] = [c for c in trainer.get("callbacks") or [] if c.get("class_path") != REPORTER] or None
+    return config
+
+
+def _plots(folder: Path, plots: dict[str, Callable[..., Any]], *args: Any) -> list[str]:
+    """Each plot ``plots[name](*args)`` that can be drawn (too few trials for some), written as ``folder/<name>``;
+    none without matplotlib, said in one line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("Plots need matplotlib: pip install -e '.[sweep]'")
+        return []
+    written = []
+    for name, plot in plots.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+            try:
+                axes = plot(*args)
+            except (ValueError, RuntimeError, ZeroDivisionError):
+                continue
+        figure = getattr(axes, "figure", None) or axes.flat[0].figure
+        atomic_write(folder / name, functools.partial(figure.savefig, format="png", dpi=100, bbox_inches="tight"))
+        plt.close(figure)
+        written.append(name)
+    return written
+
+
+def _curves(trials: list[FrozenTrial], folder: Path, objective: str) -> Any:
+    """The objective at each validation of each fold (one restarted from a checkpoint repeats some: the last counts)."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for trial in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.params[FOLD]):
+        reports = (folder / f"fold-{trial.params[FOLD]}" / REPORTS).read_text().splitlines()
+        points = sorted({r["step"]: r["value"] for r in map(json.loads, reports)}.items())
+        axes.plot(*zip(*points, strict=True), marker=".", label=who(trial))
+    axes.set(xlabel="step", ylabel=objective, title=f"{folder.name}: {objective} at each validation")
+    axes.legend()
+    return axes
