@@ -1,5 +1,5 @@
-"""What the command line adds to a run, as the run's first lines say it: each object the engine adds (a callback,
-a plugin, a logger, a strategy) carries its ``announcement``, and the lines list those of the Trainer's objects."""
+"""What a run shows: its first lines (each object the engine adds carries its ``announcement``), the progress bar, and
+the check that the monitored metrics are logged."""
 
 from __future__ import annotations
 
@@ -23,23 +23,16 @@ class Mechanism:
     off: str
 
 
-def announcements(trainer: Any) -> list[Mechanism]:
-    """The mechanisms of ``trainer``'s objects, in the order they act (strategy, checkpoint writes, loggers,
-    callbacks), each once; an object whose ``announcement`` is None is idle in this run."""
-    objects = [trainer.strategy, getattr(trainer.strategy, "checkpoint_io", None), *trainer.loggers, *trainer.callbacks]
-    found: dict[str, Mechanism] = {}
-    for obj in objects:
-        mechanism = getattr(obj, "announcement", None)
-        if isinstance(mechanism, Mechanism):
-            found.setdefault(mechanism.name, mechanism)
-    return list(found.values())
-
-
 def first_lines(trainer: Any, fit: bool) -> str:
-    """The run's first lines: the mechanisms that are on, each with how to switch it off."""
-    mechanisms = announcements(trainer)
-    width = max([len(m.name) for m in mechanisms] + [len("checkpoints")])
-    lines = [f"  {m.name:<{width}}  {m.does}  [off: {m.off}]" for m in mechanisms]
+    """The mechanisms of the Trainer's objects, in the order they act, each once with how to switch it off (an object
+    whose ``announcement`` is None is idle in this run)."""
+    objects = [trainer.strategy, getattr(trainer.strategy, "checkpoint_io", None), *trainer.loggers, *trainer.callbacks]
+    mechanisms: dict[str, Mechanism] = {}
+    for obj in objects:
+        if isinstance(mechanism := getattr(obj, "announcement", None), Mechanism):
+            mechanisms.setdefault(mechanism.name, mechanism)
+    width = max([len(name) for name in mechanisms] + [len("checkpoints")])
+    lines = [f"  {m.name:<{width}}  {m.does}  [off: {m.off}]" for m in mechanisms.values()]
     checkpoint = getattr(trainer, "checkpoint_callback", None)
     if fit and checkpoint is not None and getattr(checkpoint, "monitor", None) is None:
         lines.append(
@@ -49,28 +42,26 @@ def first_lines(trainer: Any, fit: bool) -> str:
     return "\n".join(["Added by the command line [and how to switch each off]:", *lines])
 
 
+@dataclass
 class Throttle:
     """``ready()`` is True at most once every ``seconds``, the first time included; after ``reset()`` it is True."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.reset()
+    seconds: float
+    last: float = float("-inf")
 
     def reset(self) -> None:
-        self._last = float("-inf")
+        self.last = float("-inf")
 
     def ready(self) -> bool:
-        now = time.monotonic()
-        if now - self._last < self.seconds:
+        if (now := time.monotonic()) - self.last < self.seconds:
             return False
-        self._last = now
+        self.last = now
         return True
 
 
 class TimedProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar, redrawn every ``refresh_rate`` training steps but at most every ``min_interval`` seconds,
-    and at an epoch's last step: a redraw can cost a small model's step. The clock is read only when it would redraw.
-    """
+    """Lightning's tqdm bar, redrawn every ``refresh_rate`` training steps but at most every ``min_interval`` seconds
+    (a redraw can cost a small model's step), and at an epoch's last step; the clock is read only to redraw."""
 
     announcement = Mechanism(
         "progress bar",
@@ -92,12 +83,8 @@ class TimedProgressBar(TQDMProgressBar):
 
 class MonitorCheck(Callback):
     """Stops a run whose ``checkpoint.monitor`` (or a configured callback's ``monitor``, e.g. EarlyStopping's) the
-    module does not log, with one line naming the metrics it does log.
-
-    A validation metric is checked after the sanity check, before any training step; a training one (``train*``)
-    after the first validation, when training has logged. Lightning's ModelCheckpoint finds out only at the end of
-    the first training epoch, and EarlyStopping after the first validation, with a traceback.
-    """
+    module does not log, in one line naming the metrics it logs: a validation metric after the sanity check, a
+    training one (``train*``) after the first validation, where Lightning finds out later and with a traceback."""
 
     def __init__(self, monitors: dict[str, str]) -> None:
         self.monitors = dict(monitors)  # option (as the user sets it) -> metric name

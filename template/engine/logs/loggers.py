@@ -1,4 +1,4 @@
-"""The default loggers: CSV and TensorBoard in one version folder, written to disk on a timer."""
+"""The default loggers: CSV and TensorBoard in one version folder, written to disk on a timer, continued on resume."""
 
 from __future__ import annotations
 
@@ -24,29 +24,42 @@ from template.engine.logs.console import Mechanism, Throttle
 from template.engine.store import atomic_write, undone_on_failure
 
 METRICS = "metrics.csv"
+KEPT = "the logs up to the last save are kept"
 
 
 class _TimedSave:
-    """Writes the logger's files at most every ``save_interval`` seconds (0: at every logging step, as Lightning
-    does), and always at the end of the run.
-
-    Lightning calls ``logger.save()`` after every logging step (Lightning-AI/pytorch-lightning#4664, closed as
-    won't fix), which costs more than a small model's training step. Values wait in memory until the next save or
-    ``finalize``, which Lightning calls when a run ends, fails or is interrupted: a killed process loses at most the
-    last ``save_interval`` seconds. A save that fails leaves the files as they were and is one line.
+    """Writes the logger's files at most every ``save_interval`` seconds (0: at every logging step, as Lightning does)
+    and when the run ends, fails or is interrupted (``finalize``): Lightning saves after every logging step
+    (Lightning-AI/pytorch-lightning#4664), which costs more than a small model's step. A failed write changes no file.
     """
 
     def __init__(self, *args: Any, save_interval: NonNegativeFloat = 5.0, **kwargs: Any) -> None:
         self._saves = Throttle(save_interval)
         super().__init__(*args, **kwargs)
 
+    @property
+    def experiment(self) -> Any:
+        if internals.built_experiment(self) is not None or rank_zero_only.rank != 0:
+            return super().experiment  # type: ignore[misc]  # the Lightning logger this is mixed into
+        # TensorBoard's writer creates its event file when it is built: one it could not write is removed.
+        folder = Path(self.log_dir)  # type: ignore[attr-defined]
+        before = set(folder.glob("events.out.tfevents.*"))
+        try:
+            with disk_errors(folder, "nothing was written"):
+                return super().experiment  # type: ignore[misc]
+        except DiskError:
+            for created in set(folder.glob("events.out.tfevents.*")) - before:
+                with contextlib.suppress(OSError):
+                    created.unlink()
+            raise
+
     def save(self) -> None:
         if self._saves.ready():
-            self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
+            self._write(super().save)  # type: ignore[misc]
 
     def save_now(self) -> None:
-        """Write what is buffered now, and again at the next save: a checkpoint at a batch's end comes before
-        Lightning logs that step's values (and calls ``save()``)."""
+        """Write what is buffered, and again at the next ``save()``: a checkpoint at a batch's end comes before
+        Lightning logs that step's values."""
         self._saves.reset()
         self.save()
         self._saves.reset()
@@ -57,50 +70,36 @@ class _TimedSave:
             self._write(lambda: super(_TimedSave, self).finalize(status))  # type: ignore[misc]
         except DiskError:
             if status == "success":
-                raise
-            # The run has failed already (often on the same disk): its own error is the one line to report.
+                raise  # else the run's own failure (often on the same disk) is the line to report
 
     def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        # Lightning writes hparams.yaml in place when a run starts: a full disk must leave no 0-byte file.
-        if rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0:  # Lightning writes hparams.yaml in place: a full disk must leave no 0-byte file
             self._write(lambda: super(_TimedSave, self).log_hyperparams(*args, **kwargs))  # type: ignore[misc]
 
     def _files(self) -> list[tuple[Path, bool]]:
-        """The files a save rewrites in place, and whether each must be copied to be restored (not only cut)."""
+        """The files a save rewrites in place, and whether each is copied to be restored (else only cut back)."""
         return [(Path(self.log_dir) / "hparams.yaml", True)]  # type: ignore[attr-defined]
 
     def _write(self, save: Callable[[], Any]) -> None:
-        with self._disk_errors("the logs up to the last save are kept"), contextlib.ExitStack() as undo:
+        with disk_errors(self.log_dir, KEPT), contextlib.ExitStack() as undo:  # type: ignore[attr-defined]
             for path, copy in self._files():
                 undo.enter_context(undone_on_failure(path, copy=copy))
             save()
 
-    def _disk_errors(self, kept: str) -> contextlib.AbstractContextManager[None]:
-        return disk_errors(getattr(self, "log_dir", None) or "the logs", kept)
-
 
 class LogsBeforeCheckpoints(Callback):
-    """Writes the loggers' buffered values before each checkpoint is written.
-
-    A run killed later resumes from its newest checkpoint: every step before it must be on disk already. Steps
-    logged after it are logged again on resume, and the loggers drop the earlier copies (``resume``).
-    """
+    """Writes the loggers' buffered values before each checkpoint: a run killed later resumes from its newest
+    checkpoint, so every step before it must be on disk (the steps after it are logged again)."""
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         for logger in trainer.loggers:
-            if isinstance(logger, _TimedSave):
-                logger.save_now()
-            else:
-                logger.save()
+            (logger.save_now if isinstance(logger, _TimedSave) else logger.save)()
 
 
 class CSVLogger(_TimedSave, _CSVLogger):
-    """Lightning's CSVLogger, writing ``metrics.csv`` at most every ``save_interval`` seconds.
-
-    With ``resume=True`` the rows of the interrupted run are kept up to the first step the resumed run logs, and the
-    rows from there on are dropped: the resumed run logs them again, so every step appears once.
-    """
+    """Lightning's CSVLogger, writing ``metrics.csv`` at most every ``save_interval`` seconds. With ``resume=True``
+    the interrupted run's rows are kept up to the first step the resumed run logs, which logs the others again."""
 
     announcement = Mechanism(
         "loggers",
@@ -111,21 +110,20 @@ class CSVLogger(_TimedSave, _CSVLogger):
     def __init__(self, *args: Any, resume: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._resume = resume
+        self._kept: list[dict[str, str]] = []  # the interrupted run's rows, put back in metrics.csv
 
     @property
     def experiment(self) -> Any:
         if internals.built_experiment(self) is not None or not self._resume or rank_zero_only.rank != 0:
-            with self._disk_errors("nothing was written"):
-                return super().experiment
-        path = Path(self.log_dir) / METRICS
-        rows = _kept_rows(path)  # Lightning's writer deletes an existing metrics.csv when it starts
-        with self._disk_errors("nothing was written"), warnings.catch_warnings():
+            return super().experiment
+        self._kept = _kept_rows(Path(self.log_dir) / METRICS)  # Lightning's writer deletes metrics.csv when it starts
+        with warnings.catch_warnings():
             # Its warning that the folder's earlier logs "will be deleted" is not true here: the rows are put back.
             warnings.filterwarnings("ignore", "Experiment logs directory .* exists and is not empty", UserWarning)
             writer = super().experiment
-        if rows:
-            writer.metrics = rows
-            self._write(writer.save)  # back on disk at once: a run killed before its first save loses nothing
+        if self._kept:
+            writer.metrics = list(self._kept)
+            self._write(writer.save)  # at once: a run killed before its first save loses nothing
         return writer
 
     def _files(self) -> list[tuple[Path, bool]]:
@@ -136,21 +134,25 @@ class CSVLogger(_TimedSave, _CSVLogger):
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._resume and step is not None and rank_zero_only.rank == 0:
-            self._resume = False
-            self._write(self.experiment.save)
-            with self._disk_errors("the logs up to the last save are kept"):
-                _drop_rows_from(Path(self.log_dir) / METRICS, step, set(metrics) - {"epoch", "step"})
+            # The rows from the first step logged again on are dropped, and at that step those holding its values
+            # (after an epoch's last step, the resumed run logs the epoch's values only).
+            self._resume, keys = False, set(metrics) - {"epoch", "step"}
+            kept = [r for r in self._kept if (s := float(r["step"])) < step or (s == step and not keys & r.keys())]
+            if len(kept) < len(self._kept):
+                text = io.StringIO(newline="")
+                rows = csv.DictWriter(text, fieldnames=self.experiment.metrics_keys)
+                rows.writeheader()
+                rows.writerows(kept)
+                with disk_errors(self.log_dir, KEPT):
+                    atomic_write(Path(self.log_dir) / METRICS, lambda f: f.write(text.getvalue().encode()))
         super().log_metrics(metrics, step)
 
 
 class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
-    """Lightning's TensorBoardLogger, flushing its event file at most every ``save_interval`` seconds.
-
-    With ``resume=True`` its first logged step tells TensorBoard to hide the interrupted run's events from the
-    checkpoint's step (``resume_step``) on, as ``SummaryWriter(purge_step=...)`` would, and no second ``hp_metric``
-    is logged at step 0. A run resumed after its epoch's last step logs the epoch's values one step earlier than
-    the checkpoint's step, which must not hide that step's own.
-    """
+    """Lightning's TensorBoardLogger, flushing its event file at most every ``save_interval`` seconds. With
+    ``resume=True`` it logs no second ``hp_metric``, and its first logged step hides the interrupted run's events from
+    the checkpoint's step (``resume_step``) on, as ``SummaryWriter(purge_step=...)`` would; not from that first step,
+    which after an epoch's last step is one earlier (the epoch's values) and must not hide that step's own."""
 
     announcement = CSVLogger.announcement
 
@@ -159,22 +161,6 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
             kwargs["default_hp_metric"] = False
         super().__init__(*args, **kwargs)
         self._resume, self._resume_step = resume, resume_step
-
-    @property
-    def experiment(self) -> Any:
-        if internals.built_experiment(self) is not None or rank_zero_only.rank != 0:
-            return super().experiment
-        # SummaryWriter creates its event file when it is built: one it could not write is removed.
-        folder = Path(self.log_dir)
-        before = set(folder.glob("events.out.tfevents.*"))
-        try:
-            with self._disk_errors("nothing was written"):
-                return super().experiment
-        except DiskError:
-            for created in set(folder.glob("events.out.tfevents.*")) - before:
-                with contextlib.suppress(OSError):
-                    created.unlink()
-            raise
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._resume and step is not None and rank_zero_only.rank == 0:
@@ -187,39 +173,14 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
-class DamagedMetrics(ValueError):
-    """A metrics.csv that does not parse as the rows a CSVLogger writes."""
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics.csv, or DamagedMetrics: not text, no ``step`` column, a row with more or fewer cells
-    than the header (cut by a crash), or a step that is not a number."""
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise DamagedMetrics(f"not a CSV file ({err})") from None
-    if rows and "step" not in (header := reader.fieldnames or []):
-        raise DamagedMetrics(f"no 'step' column in its header {header[:5]}")
-    for number, row in enumerate(rows, start=2):
-        if None in row or None in row.values():
-            raise DamagedMetrics(f"line {number} has {'more' if None in row else 'fewer'} cells than the header")
-        try:
-            float(row["step"])
-        except ValueError:
-            raise DamagedMetrics(f"line {number} has step {row['step']!r}, not a number") from None
-    return rows
-
-
 def _kept_rows(path: Path) -> list[dict[str, str]]:
-    """The interrupted run's rows, each without its empty cells; [] when there is no metrics.csv, or a damaged one,
-    which is renamed to the first free ``metrics.damaged-<n>.csv`` beside it (the run's logs start afresh)."""
+    """The rows of an interrupted run's metrics.csv, without their empty cells; [] when there is none. One that is not
+    a CSVLogger's is renamed to the first free ``metrics.damaged-<n>.csv`` beside it: the logs start afresh."""
     if not path.is_file():
         return []
     try:
-        rows = _rows(path)
-    except DamagedMetrics as err:
+        return _rows(path)
+    except ValueError as err:
         n = 1
         while (aside := path.with_name(f"{path.stem}.damaged-{n}{path.suffix}")).exists():
             n += 1
@@ -227,34 +188,33 @@ def _kept_rows(path: Path) -> list[dict[str, str]]:
             os.rename(path, aside)
         rank_zero_info(f"{path} is damaged ({err}): kept aside as {aside.name}; this run's logs start afresh")
         return []
-    return [{k: v for k, v in row.items() if v not in ("", None)} for row in rows]
 
 
-def _drop_rows_from(path: Path, step: int, keys: set[str]) -> None:
-    """Rewrite ``path`` (atomically) without its rows after ``step``, nor those of ``step`` holding any of ``keys``:
-    the step and the values the resumed run logs first (after its epoch's last step, the epoch's values only)."""
+def _rows(path: Path) -> list[dict[str, str]]:
+    """ValueError when not text, no ``step`` column, a row cut by a crash, or a step that is not a number."""
     try:
-        rows = _rows(path) if path.is_file() else []
-    except DamagedMetrics:
-        return  # read when the run resumed; a file changed since is not this run's to rewrite
-    kept = [r for r in rows if (s := float(r["step"])) < step or (s == step and not any(r.get(k) for k in keys))]
-    if len(kept) == len(rows):
-        return
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=list(rows[0]))  # every row has exactly the header's cells
-    writer.writeheader()
-    writer.writerows(kept)
-    atomic_write(path, lambda f: f.write(text.getvalue().encode()))
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"not a CSV file ({err})") from None
+    if rows and "step" not in (header := reader.fieldnames or []):
+        raise ValueError(f"no 'step' column in its header {header[:5]}")
+    for number, row in enumerate(rows, start=2):
+        if None in row or None in row.values():
+            raise ValueError(f"line {number} has {'more' if None in row else 'fewer'} cells than the header")
+        try:
+            float(row["step"])
+        except ValueError:
+            raise ValueError(f"line {number} has step {row['step']!r}, not a number") from None
+    return [{k: v for k, v in row.items() if v} for row in rows]
 
 
 def default_loggers(
     root: str | None, name: str, version: str | None = None, resume: bool = False, resume_step: int | None = None
 ) -> list:
     """CSV and TensorBoard logs side by side in ``<root>/<name>/<version>`` (a run's name, else the next
-    ``version_N``); ``resume`` continues its logs, from the checkpoint's ``resume_step`` when known. CSV first: its
-    folder is the one Lightning uses for config.yaml and checkpoints."""
-    root = root or "."
-    csv_logger = CSVLogger(save_dir=root, name=name, version=version, resume=resume)
-    version = csv_logger.version
-    tensorboard = TensorBoardLogger(save_dir=root, name=name, version=version, resume=resume, resume_step=resume_step)
+    ``version_N``), CSV first: its folder is the run's; ``resume`` continues them, from the checkpoint's step."""
+    csv_logger = CSVLogger(save_dir=root or ".", name=name, version=version, resume=resume)
+    tensorboard = TensorBoardLogger(root or ".", name, csv_logger.version, resume=resume, resume_step=resume_step)
     return [csv_logger, tensorboard]
