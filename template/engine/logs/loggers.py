@@ -1,19 +1,23 @@
-"""The default loggers: CSV and TensorBoard in one version folder, written to disk on a timer, continued on resume."""
+"""The loggers: CSV and TensorBoard in one version folder, written to disk on a timer and continued on resume; MLflow
+and W&B tracker runs that a restart continues."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
 import io
+import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from jsonargparse.typing import NonNegativeFloat
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
+from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
@@ -24,6 +28,8 @@ from template.engine.logs.console import Mechanism, Throttle
 from template.engine.store import atomic_write, undone_on_failure
 
 METRICS = "metrics.csv"
+TRACKERS = "trackers.json"
+_ID_ARGUMENT = {MLFlowLogger: "run_id", WandbLogger: "id"}  # the constructor argument naming the run to continue
 KEPT = "the logs up to the last save are kept"
 
 
@@ -210,7 +216,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
     return [{k: v for k, v in row.items() if v} for row in rows]
 
 
-def default_loggers(
+def run_loggers(
     root: str | None, name: str, version: str | None = None, resume: bool = False, resume_step: int | None = None
 ) -> list:
     """CSV and TensorBoard logs side by side in ``<root>/<name>/<version>`` (a run's name, else the next
@@ -218,3 +224,98 @@ def default_loggers(
     csv_logger = CSVLogger(save_dir=root or ".", name=name, version=version, resume=resume)
     tensorboard = TensorBoardLogger(root or ".", name, csv_logger.version, resume=resume, resume_step=resume_step)
     return [csv_logger, tensorboard]
+
+
+def has_trackers(loggers: Sequence[Any]) -> bool:
+    """Whether any of ``loggers`` is an MLflow or W&B tracker, whose run a restart continues."""
+    return any(key is not None for key in _keys(loggers))
+
+
+def _keys(loggers: Sequence[Any]) -> list[str | None]:
+    """A name per MLflow or W&B logger in ``trackers.json`` (its kind, numbered from the second of a kind on)."""
+    keys: list[str | None] = []
+    for logger in loggers:
+        kind = next((cls.__name__ for cls in _ID_ARGUMENT if isinstance(logger, cls)), None)
+        count = sum(key is not None and key.split("#")[0] == kind for key in keys)
+        keys.append(None if kind is None else f"{kind}#{count + 1}" if count else kind)
+    return keys
+
+
+def _saved(folder: Path) -> dict[str, dict[str, Any]]:
+    try:
+        saved = json.loads((folder / TRACKERS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def resume_trackers(trackers: Sequence[Any], configs: Sequence[Any], run_folder: str | os.PathLike | None) -> list:
+    """``trackers`` as configured (``configs``: their ``class_path``/``init_args``), each MLflow or W&B one rebuilt to
+    continue the tracker run whose id ``run_folder`` records, unless its config names a run itself. A requeued or
+    restarted run then does not split its training curve into two tracker runs."""
+    saved = _saved(Path(run_folder)) if run_folder is not None else {}
+    resumed = []
+    for key, tracker, config in zip(_keys(trackers), trackers, configs, strict=True):
+        run_id = saved.get(key or "", {}).get("id")
+        init_args = config.init_args.as_dict() if config.get("init_args") else {}
+        argument = _ID_ARGUMENT.get(type(tracker))
+        if argument is None or run_id is None or init_args.get(argument) is not None:
+            resumed.append(tracker)
+            continue
+        cls = ContinuedMLFlowLogger if isinstance(tracker, MLFlowLogger) else type(tracker)
+        resumed.append(cls(**{**init_args, argument: run_id}))
+        rank_zero_info(f"{type(tracker).__name__}: continuing tracker run {run_id} (from {run_folder}/{TRACKERS})")
+    return resumed
+
+
+class ContinuedMLFlowLogger(MLFlowLogger):
+    """An MLFlowLogger continuing a run, skipping the steps it holds already: a restart from a checkpoint older than
+    the last logged step (after a SIGKILL) logs them again, with the same values."""
+
+    _logged_through: int | None = None
+
+    @override
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self._logged_through is None:
+            run = self.experiment.get_run(self.run_id)
+            steps = [m.step for key in run.data.metrics for m in self.experiment.get_metric_history(self.run_id, key)]
+            self._logged_through = max(steps, default=-1)
+        if step is None or step > self._logged_through:
+            super().log_metrics(metrics, step)
+
+
+class TrackerRuns(Callback):
+    """Records each MLflow and W&B tracker's run id in the run folder, and logs the run's config to it (rank 0):
+    ``config.yaml`` (and each ``config.restart-<n>.yaml``) as MLflow artifacts, the config in W&B's run config."""
+
+    announcement = Mechanism(
+        "tracker runs",
+        "a named run's MLflow/W&B runs continue on restart (ids in trackers.json); the config is logged to them",
+        "remove trackers",
+    )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
+        keys = _keys(trainer.loggers)
+        if not trainer.is_global_zero or log_dir is None or not any(keys):
+            return
+        folder = Path(log_dir)
+        saved = _saved(folder)
+        configs = [folder / "config.yaml", *sorted(folder.glob("config.restart-*.yaml"))]
+        for key, tracker in zip(keys, trainer.loggers, strict=True):
+            if key is None:
+                continue
+            entry = saved.setdefault(key, {})
+            entry["id"] = tracker.version if isinstance(tracker, WandbLogger) else tracker.run_id
+            logged = set(entry.get("configs", []))
+            for path in (p for p in configs if p.is_file() and p.name not in logged):
+                if isinstance(tracker, MLFlowLogger):
+                    tracker.experiment.log_artifact(tracker.run_id, str(path))
+                else:
+                    config = yaml.safe_load(path.read_text()) or {}
+                    tracker.experiment.config.update({"config": config}, allow_val_change=True)
+                logged.add(path.name)
+            entry["configs"] = sorted(logged)
+        text = json.dumps(saved, indent=1)
+        atomic_write(folder / TRACKERS, lambda f: f.write(text.encode()))
