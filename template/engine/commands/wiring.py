@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from template.engine.errors import ConfigError
 from template.engine.internals import PROCESS_GROUP_STRATEGIES, skip_idle_step_hooks
 from template.engine.jobs.preemption import Preemption
-from template.engine.jobs.watchdog import HangWatchdog
+from template.engine.jobs.processes import HangWatchdog
 from template.engine.logs.console import MonitorCheck, TimedProgressBar
 from template.engine.logs.loggers import LogsBeforeCheckpoints, TrackerRuns, has_trackers, resume_trackers, run_loggers
 from template.engine.resume.checkpoints import AtomicCheckpointIO
