@@ -18,7 +18,6 @@ from typing_extensions import override
 from template.engine.errors import ConfigError
 
 PREFIX = "throughput/"
-# The dtype the matmuls run in, for the device's peak FLOP/s.
 _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64, "transformer-engine": torch.int8}
 
 
@@ -95,8 +94,7 @@ class MonitorCheck(Callback):
     training one (``train*``) after the first validation, where Lightning finds out later and with a traceback."""
 
     def __init__(self, monitors: dict[str, str]) -> None:
-        self.monitors = dict(monitors)  # option (as the user sets it) -> metric name
-        self._checked: set[str] = set()
+        self.unchecked = dict(monitors)  # option (as the user sets it) -> metric name
 
     @override
     def on_sanity_check_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -109,10 +107,10 @@ class MonitorCheck(Callback):
 
     def _check(self, trainer: Trainer, training: bool) -> None:
         logged = sorted(trainer.callback_metrics)
-        for option, metric in self.monitors.items():
-            if option in self._checked or (metric.startswith("train") and not training):
+        for option, metric in list(self.unchecked.items()):
+            if metric.startswith("train") and not training:
                 continue
-            self._checked.add(option)
+            del self.unchecked[option]
             if metric in logged:
                 continue
             example = next((m for m in logged if m.startswith("val")), logged[0] if logged else "val_loss")
@@ -153,7 +151,7 @@ class ThroughputLog(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.enabled and stage == "fit":
-            precision = str(trainer.precision)
+            precision = str(trainer.precision)  # the dtype the matmuls run in sets the device's peak FLOP/s
             dtype = next((d for p, d in _COMPUTE_DTYPE.items() if precision.startswith(p)), torch.float32)
             self._available_flops = get_available_flops(trainer.strategy.root_device, dtype)
 
@@ -212,11 +210,8 @@ class ThroughputLog(Callback):
             pl_module.log(PREFIX + name, float(value), on_epoch=True, on_step=False, sync_dist=True, reduce_fx=reduce)
 
     @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._read_back(trainer)
-
-    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._read_back(trainer)
         if self._epochs:
             rank_zero_info(summary(self._epochs))
 
