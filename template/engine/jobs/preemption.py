@@ -27,17 +27,11 @@ from template.engine.runs.folder import checkpoint_dir
 
 
 class Preemption(Callback):
-    """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C (SIGINT), write ``interrupted.ckpt`` at the next point
-    from which the same command continues exactly, and stop with exit code 128 + the signal.
-
-    Lightning's own handling saves inside the signal handler (mid-step, under DDP in collectives the other ranks are
-    not in), and loses the work since the last checkpoint on Ctrl-C. Here the handlers only record the signal; all
-    ranks agree on it at the same safe point (``exact_resume_point``, an epoch's end, the end of training), save
-    together, rank zero asks SLURM to requeue the job (with ``auto_requeue``), and the run stops. A validation under
-    way is finished first; a signal in the sanity check stops without a checkpoint; a second Ctrl-C stops at once.
-    Several processes compare their signals in a collective every ``stride`` training batches: about
-    ``check_interval`` seconds' worth at the pace since the last comparison, at most twice the last stride.
-    """
+    """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C, all ranks write ``interrupted.ckpt`` together at the
+    next point from which the same command continues exactly, rank zero asks SLURM to requeue the job, and the run
+    exits 128 + the signal (docs/reliability.md). The handlers only record the signal (Lightning's own saves inside
+    the handler: mid-step, and under DDP in collectives the other ranks are not in). Several processes compare their
+    signals every ``stride`` training batches, about ``check_interval`` seconds' worth."""
 
     announcement = Mechanism(
         "preemption",
