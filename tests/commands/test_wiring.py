@@ -9,8 +9,7 @@ from template.engine.commands import wiring
 from template.engine.jobs.preemption import Preemption
 from template.engine.logs import console
 from template.engine.logs.console import first_lines
-from template.engine.logs.loggers import LogsBeforeCheckpoints
-from template.engine.logs.trackers import TrackerRuns
+from template.engine.logs.loggers import LogsBeforeCheckpoints, TrackerRuns
 from template.engine.resume.checkpoints import AtomicCheckpointIO
 from template.engine.resume.continuation import Run
 from template.engine.runs.provenance import Provenance

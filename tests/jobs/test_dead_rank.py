@@ -16,8 +16,8 @@ import pytest
 
 from template.engine.commands.cli import main
 from template.engine.errors import TRACEBACK_VARIABLE
-from template.engine.jobs import watchdog
-from template.engine.jobs.watchdog import DeadRank
+from template.engine.jobs import processes
+from template.engine.jobs.processes import DeadRank
 from tests.conftest import CONFIGS, PACKAGE, REPO, cli_env, finish, session_processes
 
 WAIT = 240  # seconds for one start; a healthy 2-process start takes 15-25 s here
@@ -62,11 +62,11 @@ def test_a_collectives_lost_peer_is_told_from_other_errors() -> None:
         except RuntimeError as err:
             raise ValueError("while syncing the metric") from err
     except ValueError as wrapped:
-        assert watchdog.lost_peer(wrapped)
-    assert not watchdog.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+        assert processes.lost_peer(wrapped)
+    assert not processes.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     # A process that knows of no dead rank (no trainer yet, or nothing recorded) keeps the exception's own report.
     shapes = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
-    assert watchdog.dead_rank(shapes, None) is None and watchdog.HangWatchdog().dead_rank(shapes) is None
+    assert processes.dead_rank(shapes, None) is None and processes.HangWatchdog().dead_rank(shapes) is None
 
 
 def test_full_traceback_shows_the_exception_behind_an_error_line(

@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from template.engine.logs.throughput import ThroughputLog, summary
+from template.engine.logs.console import ThroughputLog, summary
 from tests.conftest import CONFIGS
 
 BATCH, BATCHES = 8, 4

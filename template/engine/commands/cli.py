@@ -39,10 +39,8 @@ from template.engine.errors import (
     one_line,
 )
 from template.engine.jobs.preemption import restore_signal_handlers, signal_handlers
-from template.engine.jobs.processes import join_restarted_group
-from template.engine.jobs.watchdog import HangWatchdog, dead_rank
-from template.engine.logs.console import first_lines
-from template.engine.logs.throughput import ThroughputLog
+from template.engine.jobs.processes import HangWatchdog, dead_rank, join_restarted_group
+from template.engine.logs.console import ThroughputLog, first_lines
 from template.engine.resume import checkpoints
 from template.engine.resume.continuation import Run, continue_run
 from template.engine.resume.states import RNGStateCheckpoint

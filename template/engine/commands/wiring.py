@@ -24,10 +24,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from template.engine.errors import ConfigError
 from template.engine.internals import PROCESS_GROUP_STRATEGIES, skip_idle_step_hooks
 from template.engine.jobs.preemption import Preemption
-from template.engine.jobs.watchdog import HangWatchdog
+from template.engine.jobs.processes import HangWatchdog
 from template.engine.logs.console import MonitorCheck, TimedProgressBar
-from template.engine.logs.loggers import LogsBeforeCheckpoints, default_loggers
-from template.engine.logs.trackers import TrackerRuns, has_trackers, resume_trackers
+from template.engine.logs.loggers import LogsBeforeCheckpoints, TrackerRuns, has_trackers, resume_trackers, run_loggers
 from template.engine.resume.checkpoints import AtomicCheckpointIO
 from template.engine.resume.continuation import Run, periodic_checkpoint
 from template.engine.runs import LOGS
@@ -49,7 +48,7 @@ def loggers(
     if logger in (None, True):
         # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
         root = trainer_config.get("default_root_dir")
-        return {"logger": [*default_loggers(root, LOGS, run.name, run.resume, run.resume_step), *trackers]}
+        return {"logger": [*run_loggers(root, LOGS, run.name, run.resume, run.resume_step), *trackers]}
     if not trackers:
         return {}
     if logger is False:

@@ -27,21 +27,11 @@ from template.engine.runs.folder import checkpoint_dir
 
 
 class Preemption(Callback):
-    """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C (SIGINT), write a checkpoint at the next point from which
-    the same command continues exactly, and stop with exit code 128 + the signal.
-
-    Lightning's own handling saves inside the signal handler (mid-step, and under DDP with collectives the other ranks
-    are not in), exits 0 in some places and loses the work since the last checkpoint on Ctrl-C. Here the handlers,
-    installed when fit sets up, only record the signal; all ranks agree on it at the same safe point
-    (``resume.exact_resume_point``, an epoch's end, the end of training), write ``interrupted.ckpt`` together, rank
-    zero asks SLURM to requeue the job (when ``SLURMEnvironment.auto_requeue`` is on), and the run stops. A validation
-    under way is finished first; a signal in the sanity check stops without a checkpoint (nothing is trained); a
-    second Ctrl-C stops at once, through Lightning's ``KeyboardInterrupt`` shutdown.
-
-    Several processes compare their signals in a collective every ``stride`` training batches, agreed at each
-    comparison: batches worth about ``check_interval`` seconds at the pace since the last one, at most twice the last
-    stride. The stop is taken at the first safe point at or after a comparison that found a signal.
-    """
+    """On SIGTERM, SLURM's requeue signal (SIGUSR1) or Ctrl-C, all ranks write ``interrupted.ckpt`` together at the
+    next point from which the same command continues exactly, rank zero asks SLURM to requeue the job, and the run
+    exits 128 + the signal (docs/reliability.md). The handlers only record the signal (Lightning's own saves inside
+    the handler: mid-step, and under DDP in collectives the other ranks are not in). Several processes compare their
+    signals every ``stride`` training batches, about ``check_interval`` seconds' worth."""
 
     announcement = Mechanism(
         "preemption",
@@ -59,8 +49,7 @@ class Preemption(Callback):
         self._active = False  # between setup and the end of fit the handlers record; after it they end the process
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # From the start of fit, before Lightning installs its SIGTERM handler (just before the sanity check), so
-        # that a signal while the run sets up or restores is recorded too.
+        # Before Lightning installs its SIGTERM handler (at the sanity check): a signal while the run restores counts.
         if stage != "fit" or self._active or threading.current_thread() is not threading.main_thread():
             return
         self._active = True
@@ -85,7 +74,7 @@ class Preemption(Callback):
 
     def _take_over_sigterm(self, trainer: Trainer) -> None:
         """Replace the SIGTERM handler Lightning installs after ``on_fit_start``, taking over a SIGTERM it recorded
-        meanwhile (``received_sigterm``). Lightning puts ours back when the run ends."""
+        meanwhile. Lightning puts ours back when the run ends."""
         if not self._active or threading.current_thread() is not threading.main_thread():
             return
         if trainer.received_sigterm and self._received is None and self._stopped is None:
@@ -102,11 +91,10 @@ class Preemption(Callback):
         elif self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
 
-    # The points a stop is taken at: every rank is in the same hook, and a checkpoint written there resumes exactly.
+    # The safe points: every rank is in the same hook, and a checkpoint written there resumes exactly.
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        # Lightning ends the loop after this step's logging, as on its own SIGTERM. One process without a signal has
-        # nothing to do; several agree on the signal at the first safe point of their stride.
+        # Lightning ends the loop after this step's logging, as on its own SIGTERM.
         self._batches += 1
         due = self._batches >= self._due if trainer.world_size > 1 else self._received is not None
         if due and exact_resume_point(trainer):
@@ -134,15 +122,15 @@ class Preemption(Callback):
                 self._active = False  # the run is over: a signal now ends the process (``_after_the_run``)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # A failing run (a rank died, the user's code raised) records signals until the command ends: the SIGTERM a
-        # launcher sends the surviving ranks must not replace the failure's own line with a stop's.
+        # A failing run records signals until the command ends: the SIGTERM a launcher sends the surviving ranks must
+        # not replace the failure's own line with a stop's.
         if not isinstance(exception, SIGTERMException):
             return
         if self._stopped is not None:
-            # Lightning's SIGTERMException exits 0; a stop before the run's end exits 128 + the signal. A rank that
-            # Lightning's launcher started exits 0: the launcher reports the job's code, and would kill the job the
-            # moment a child exits non-zero, before it has written the run's logs.
-            exception.code = 0 if _started_by_lightnings_launcher(trainer) else 128 + self._stopped
+            # Lightning's SIGTERMException exits 0. A rank Lightning's launcher started exits 0 too: the launcher
+            # reports the job's code, and would kill the job the moment a child exits non-zero, before its logs.
+            launched = trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
+            exception.code = 0 if launched else 128 + self._stopped
         self._active = False
 
     def _stop_if_signalled(self, trainer: Trainer, raise_now: bool, save: bool = True) -> None:
@@ -158,13 +146,13 @@ class Preemption(Callback):
         # In the sanity check nothing is trained yet: the run's newest checkpoint (if any) is where it started.
         done = f": checkpoint {path} written{after}" if save else f" in the sanity check{after}: nothing trained yet"
         rank_zero_info(f"Stopping on {name}{done}; {then}")
-        stop_as_on_sigterm(trainer)  # Lightning ends the loop as on its own SIGTERM (``trainer.received_sigterm``)
+        stop_as_on_sigterm(trainer)
         if raise_now:
             raise SIGTERMException(128 + signum)
 
     def _stop_after_training(self) -> None:
-        """A signal after the last safe point: the checkpoints are written, nothing is left to save, and no collective
-        is safe (a rank may be past its last one); the run still ends non-zero."""
+        """A signal after the last safe point: the checkpoints are written, and no collective is safe (a rank may be
+        past its last one); the run still ends non-zero."""
         if self._stopped is not None or self._received is None or not self._active:
             return
         self._stopped = signum = self._received
@@ -193,7 +181,7 @@ class Preemption(Callback):
 
 def _after_the_run(signum: int, frame: FrameType | None, before: Any) -> None:
     """A signal after fit ended: a handler of the caller's own (a notebook, a framework) decides; otherwise the process
-    ends now, as the signal's default would, but with a line and exit code 128 + the signal instead of no word."""
+    ends as the signal's default would, but with a line and exit code 128 + the signal."""
     if before is signal.SIG_IGN:
         return
     if callable(before) and before is not signal.default_int_handler:
@@ -211,17 +199,12 @@ def signal_handlers() -> dict[int, Any]:
 
 
 def restore_signal_handlers(handlers: dict[int, Any]) -> None:
-    """Signals go where they went when ``handlers`` were read (a command has ended: for callers that go on, such as
-    tests). A handler installed outside Python (None) cannot be put back, and only the main thread sets handlers."""
+    """Put back ``handlers`` (for callers that go on after a command, such as tests): from the main thread, and not
+    those installed outside Python (None)."""
     if threading.current_thread() is threading.main_thread():
         for signum, handler in handlers.items():
             if handler is not None and signal.getsignal(signum) != handler:
                 signal.signal(signum, handler)
-
-
-def _started_by_lightnings_launcher(trainer: Trainer) -> bool:
-    """A child rank of ``strategy: ddp`` without torchrun or SLURM (LightningEnvironment sets LOCAL_RANK for it)."""
-    return trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
 
 
 def _requeue_signal(trainer: Trainer) -> int:
@@ -232,14 +215,11 @@ def _requeue_signal(trainer: Trainer) -> int:
 
 
 def _requeue(trainer: Trainer, signum: int) -> bool:
-    """Whether the job goes back in SLURM's queue: on its requeue signal with ``auto_requeue`` on, rank zero asks
-    SLURM, and True when it accepted."""
+    """Whether the job goes back in SLURM's queue: on its requeue signal with ``auto_requeue`` on, rank zero asks."""
     slurm = cluster_environment(trainer)
     if signum != _requeue_signal(trainer) or not (isinstance(slurm, SLURMEnvironment) and slurm.auto_requeue):
         return False
-    if not trainer.is_global_zero:
-        return True
-    failure = requeue_slurm_job()
+    failure = requeue_slurm_job() if trainer.is_global_zero else None
     if failure is not None:
         rank_zero_warn(f"{failure}; resubmit the same sbatch command to continue")
     return failure is None

@@ -1,5 +1,5 @@
-"""What the command line adds to a run, as the run's first lines say it: each object the engine adds (a callback,
-a plugin, a logger, a strategy) carries its ``announcement``, and the lines list those of the Trainer's objects."""
+"""What a run shows: its first lines (each object the engine adds carries its ``announcement``), the progress bar, the
+check that the monitored metrics are logged, the throughput figures."""
 
 from __future__ import annotations
 
@@ -7,11 +7,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lightning.pytorch import Callback, Trainer
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from template.engine.errors import ConfigError
+
+PREFIX = "throughput/"
+_COMPUTE_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64, "transformer-engine": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -23,23 +30,16 @@ class Mechanism:
     off: str
 
 
-def announcements(trainer: Any) -> list[Mechanism]:
-    """The mechanisms of ``trainer``'s objects, in the order they act (strategy, checkpoint writes, loggers,
-    callbacks), each once; an object whose ``announcement`` is None is idle in this run."""
-    objects = [trainer.strategy, getattr(trainer.strategy, "checkpoint_io", None), *trainer.loggers, *trainer.callbacks]
-    found: dict[str, Mechanism] = {}
-    for obj in objects:
-        mechanism = getattr(obj, "announcement", None)
-        if isinstance(mechanism, Mechanism):
-            found.setdefault(mechanism.name, mechanism)
-    return list(found.values())
-
-
 def first_lines(trainer: Any, fit: bool) -> str:
-    """The run's first lines: the mechanisms that are on, each with how to switch it off."""
-    mechanisms = announcements(trainer)
-    width = max([len(m.name) for m in mechanisms] + [len("checkpoints")])
-    lines = [f"  {m.name:<{width}}  {m.does}  [off: {m.off}]" for m in mechanisms]
+    """The mechanisms of the Trainer's objects, in the order they act, each once with how to switch it off (an object
+    whose ``announcement`` is None is idle in this run)."""
+    objects = [trainer.strategy, getattr(trainer.strategy, "checkpoint_io", None), *trainer.loggers, *trainer.callbacks]
+    mechanisms: dict[str, Mechanism] = {}
+    for obj in objects:
+        if isinstance(mechanism := getattr(obj, "announcement", None), Mechanism):
+            mechanisms.setdefault(mechanism.name, mechanism)
+    width = max([len(name) for name in mechanisms] + [len("checkpoints")])
+    lines = [f"  {m.name:<{width}}  {m.does}  [off: {m.off}]" for m in mechanisms.values()]
     checkpoint = getattr(trainer, "checkpoint_callback", None)
     if fit and checkpoint is not None and getattr(checkpoint, "monitor", None) is None:
         lines.append(
@@ -49,28 +49,26 @@ def first_lines(trainer: Any, fit: bool) -> str:
     return "\n".join(["Added by the command line [and how to switch each off]:", *lines])
 
 
+@dataclass
 class Throttle:
     """``ready()`` is True at most once every ``seconds``, the first time included; after ``reset()`` it is True."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.reset()
+    seconds: float
+    last: float = float("-inf")
 
     def reset(self) -> None:
-        self._last = float("-inf")
+        self.last = float("-inf")
 
     def ready(self) -> bool:
-        now = time.monotonic()
-        if now - self._last < self.seconds:
+        if (now := time.monotonic()) - self.last < self.seconds:
             return False
-        self._last = now
+        self.last = now
         return True
 
 
 class TimedProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar, redrawn every ``refresh_rate`` training steps but at most every ``min_interval`` seconds,
-    and at an epoch's last step: a redraw can cost a small model's step. The clock is read only when it would redraw.
-    """
+    """Lightning's tqdm bar, redrawn every ``refresh_rate`` training steps but at most every ``min_interval`` seconds
+    (a redraw can cost a small model's step), and at an epoch's last step; the clock is read only to redraw."""
 
     announcement = Mechanism(
         "progress bar",
@@ -92,16 +90,11 @@ class TimedProgressBar(TQDMProgressBar):
 
 class MonitorCheck(Callback):
     """Stops a run whose ``checkpoint.monitor`` (or a configured callback's ``monitor``, e.g. EarlyStopping's) the
-    module does not log, with one line naming the metrics it does log.
-
-    A validation metric is checked after the sanity check, before any training step; a training one (``train*``)
-    after the first validation, when training has logged. Lightning's ModelCheckpoint finds out only at the end of
-    the first training epoch, and EarlyStopping after the first validation, with a traceback.
-    """
+    module does not log, in one line naming the metrics it logs: a validation metric after the sanity check, a
+    training one (``train*``) after the first validation, where Lightning finds out later and with a traceback."""
 
     def __init__(self, monitors: dict[str, str]) -> None:
-        self.monitors = dict(monitors)  # option (as the user sets it) -> metric name
-        self._checked: set[str] = set()
+        self.unchecked = dict(monitors)  # option (as the user sets it) -> metric name
 
     @override
     def on_sanity_check_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -114,10 +107,10 @@ class MonitorCheck(Callback):
 
     def _check(self, trainer: Trainer, training: bool) -> None:
         logged = sorted(trainer.callback_metrics)
-        for option, metric in self.monitors.items():
-            if option in self._checked or (metric.startswith("train") and not training):
+        for option, metric in list(self.unchecked.items()):
+            if metric.startswith("train") and not training:
                 continue
-            self._checked.add(option)
+            del self.unchecked[option]
             if metric in logged:
                 continue
             example = next((m for m in logged if m.startswith("val")), logged[0] if logged else "val_loss")
@@ -131,3 +124,120 @@ class MonitorCheck(Callback):
                 f"{option}={metric!r} is not logged by the module (it logs: {', '.join(logged) or 'nothing'}); "
                 f"name one of those, e.g. {fix}"
             )
+
+
+class ThroughputLog(Callback):
+    """Logs per training epoch ``throughput/samples_per_sec`` (all processes together) and, on CUDA,
+    ``throughput/peak_memory_gib`` (the first device's peak allocated memory); for a LightningModule with a
+    ``flops_per_batch`` attribute (one batch's FLOPs on one device, as ``lightning.fabric.utilities.throughput.
+    measure_flops`` counts them) also ``throughput/flops_per_sec`` and, on GPUs whose peak Lightning knows,
+    ``throughput/mfu`` (0 to 1). The end of ``fit`` prints them in one line. The batch size is each batch's first
+    tensor's length; validation time is left out; the GPU is synchronised only at an epoch's and a validation's edges.
+
+    Args:
+        enabled: log and print the figures; ``false`` adds no work at all.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._available_flops: int | None = None
+        self._epochs: list[dict[str, float]] = []  # each epoch's figures as logged: reduced over processes, float32
+        self._logged: list[str] = []  # the names logged at the last epoch's end, not yet read back
+        self._start: float | None = None  # this epoch's, and its samples, batches and seconds of validation
+        self._samples = self._batches = 0
+        self._paused = 0.0
+        self._validating: float | None = None  # since when
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.enabled and stage == "fit":
+            precision = str(trainer.precision)  # the dtype the matmuls run in sets the device's peak FLOP/s
+            dtype = next((d for p, d in _COMPUTE_DTYPE.items() if precision.startswith(p)), torch.float32)
+            self._available_flops = get_available_flops(trainer.strategy.root_device, dtype)
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.enabled:
+            return
+        self._read_back(trainer)
+        if (device := trainer.strategy.root_device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._samples = self._batches = 0
+        self._paused = 0.0
+        self._start = _now(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.enabled:
+            # (inputs, targets): the first tensor's length, without Lightning's walk of the whole batch at every step.
+            first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+            fast = isinstance(first, torch.Tensor) and first.dim() > 0
+            self._samples += len(first) if fast else extract_batch_size(batch)
+            self._batches += 1
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.enabled and self._start is not None and not trainer.sanity_checking:
+            self._validating = _now(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._validating is not None:
+            self._paused += _now(trainer) - self._validating
+            self._validating = None
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.enabled or self._start is None or self._batches == 0:
+            return
+        elapsed = _now(trainer) - self._start - self._paused
+        if elapsed <= 0:
+            return
+        # Each process estimates the whole run's rate from its own: the log holds the mean over processes.
+        metrics = {"samples_per_sec": self._samples / elapsed * trainer.world_size}
+        if (flops := getattr(pl_module, "flops_per_batch", None)) is not None:
+            per_device = flops * self._batches / elapsed
+            metrics["flops_per_sec"] = per_device * trainer.world_size
+            if self._available_flops:
+                metrics["mfu"] = per_device / self._available_flops
+        if (device := trainer.strategy.root_device).type == "cuda":
+            metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        self._logged = list(metrics)
+        for name, value in metrics.items():
+            reduce = "max" if name == "peak_memory_gib" else "mean"  # one all-reduce per epoch
+            pl_module.log(PREFIX + name, float(value), on_epoch=True, on_step=False, sync_dist=True, reduce_fx=reduce)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._read_back(trainer)
+        if self._epochs:
+            rank_zero_info(summary(self._epochs))
+
+    def _read_back(self, trainer: Trainer) -> None:
+        """The last epoch's figures as Lightning reduced and logged them after ``on_train_epoch_end``: the printed
+        line then says what the logs hold."""
+        logged = {name: trainer.callback_metrics.get(PREFIX + name) for name in self._logged}
+        if self._logged and all(value is not None for value in logged.values()):
+            self._epochs.append({name: float(value) for name, value in logged.items()})
+        self._logged = []
+
+
+def _now(trainer: Trainer) -> float:
+    if (device := trainer.strategy.root_device).type == "cuda":
+        torch.cuda.synchronize(device)  # the GPU's queued work belongs to the time measured
+    return time.perf_counter()
+
+
+def summary(epochs: list[dict[str, float]]) -> str:
+    """One line: the last epoch's samples/s (and the mean over epochs), FLOP/s and utilisation, peak GPU memory."""
+    last = epochs[-1]
+    mean = sum(e["samples_per_sec"] for e in epochs) / len(epochs)
+    parts = [f"{last['samples_per_sec']:,.0f} samples/s in the last epoch ({mean:,.0f} mean over {len(epochs)})"]
+    if "flops_per_sec" in last:
+        utilisation = f", {last['mfu']:.1%} of the devices' peak" if "mfu" in last else ""
+        parts.append(f"{last['flops_per_sec'] / 1e12:.3g} TFLOP/s{utilisation}")
+    if "peak_memory_gib" in last:
+        parts.append(f"peak GPU memory {max(e['peak_memory_gib'] for e in epochs):.2f} GiB")
+    return "Throughput: " + "; ".join(parts)

@@ -1,19 +1,23 @@
-"""The default loggers: CSV and TensorBoard in one version folder, written to disk on a timer."""
+"""The loggers: CSV and TensorBoard in one version folder, written to disk on a timer and continued on resume; MLflow
+and W&B tracker runs that a restart continues."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
 import io
+import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from jsonargparse.typing import NonNegativeFloat
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
+from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
@@ -24,29 +28,44 @@ from template.engine.logs.console import Mechanism, Throttle
 from template.engine.store import atomic_write, undone_on_failure
 
 METRICS = "metrics.csv"
+TRACKERS = "trackers.json"
+_ID_ARGUMENT = {MLFlowLogger: "run_id", WandbLogger: "id"}  # the constructor argument naming the run to continue
+KEPT = "the logs up to the last save are kept"
 
 
 class _TimedSave:
-    """Writes the logger's files at most every ``save_interval`` seconds (0: at every logging step, as Lightning
-    does), and always at the end of the run.
-
-    Lightning calls ``logger.save()`` after every logging step (Lightning-AI/pytorch-lightning#4664, closed as
-    won't fix), which costs more than a small model's training step. Values wait in memory until the next save or
-    ``finalize``, which Lightning calls when a run ends, fails or is interrupted: a killed process loses at most the
-    last ``save_interval`` seconds. A save that fails leaves the files as they were and is one line.
+    """Writes the logger's files at most every ``save_interval`` seconds (0: at every logging step, as Lightning does)
+    and when the run ends, fails or is interrupted (``finalize``): Lightning saves after every logging step
+    (Lightning-AI/pytorch-lightning#4664), which costs more than a small model's step. A failed write changes no file.
     """
 
     def __init__(self, *args: Any, save_interval: NonNegativeFloat = 5.0, **kwargs: Any) -> None:
         self._saves = Throttle(save_interval)
         super().__init__(*args, **kwargs)
 
+    @property
+    def experiment(self) -> Any:
+        if internals.built_experiment(self) is not None or rank_zero_only.rank != 0:
+            return super().experiment  # type: ignore[misc]  # the Lightning logger this is mixed into
+        # TensorBoard's writer creates its event file when it is built: one it could not write is removed.
+        folder = Path(self.log_dir)  # type: ignore[attr-defined]
+        before = set(folder.glob("events.out.tfevents.*"))
+        try:
+            with disk_errors(folder, "nothing was written"):
+                return super().experiment  # type: ignore[misc]
+        except DiskError:
+            for created in set(folder.glob("events.out.tfevents.*")) - before:
+                with contextlib.suppress(OSError):
+                    created.unlink()
+            raise
+
     def save(self) -> None:
         if self._saves.ready():
-            self._write(super().save)  # type: ignore[misc]  # the Lightning logger this is mixed into
+            self._write(super().save)  # type: ignore[misc]
 
     def save_now(self) -> None:
-        """Write what is buffered now, and again at the next save: a checkpoint at a batch's end comes before
-        Lightning logs that step's values (and calls ``save()``)."""
+        """Write what is buffered, and again at the next ``save()``: a checkpoint at a batch's end comes before
+        Lightning logs that step's values."""
         self._saves.reset()
         self.save()
         self._saves.reset()
@@ -57,50 +76,36 @@ class _TimedSave:
             self._write(lambda: super(_TimedSave, self).finalize(status))  # type: ignore[misc]
         except DiskError:
             if status == "success":
-                raise
-            # The run has failed already (often on the same disk): its own error is the one line to report.
+                raise  # else the run's own failure (often on the same disk) is the line to report
 
     def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        # Lightning writes hparams.yaml in place when a run starts: a full disk must leave no 0-byte file.
-        if rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0:  # Lightning writes hparams.yaml in place: a full disk must leave no 0-byte file
             self._write(lambda: super(_TimedSave, self).log_hyperparams(*args, **kwargs))  # type: ignore[misc]
 
     def _files(self) -> list[tuple[Path, bool]]:
-        """The files a save rewrites in place, and whether each must be copied to be restored (not only cut)."""
+        """The files a save rewrites in place, and whether each is copied to be restored (else only cut back)."""
         return [(Path(self.log_dir) / "hparams.yaml", True)]  # type: ignore[attr-defined]
 
     def _write(self, save: Callable[[], Any]) -> None:
-        with self._disk_errors("the logs up to the last save are kept"), contextlib.ExitStack() as undo:
+        with disk_errors(self.log_dir, KEPT), contextlib.ExitStack() as undo:  # type: ignore[attr-defined]
             for path, copy in self._files():
                 undo.enter_context(undone_on_failure(path, copy=copy))
             save()
 
-    def _disk_errors(self, kept: str) -> contextlib.AbstractContextManager[None]:
-        return disk_errors(getattr(self, "log_dir", None) or "the logs", kept)
-
 
 class LogsBeforeCheckpoints(Callback):
-    """Writes the loggers' buffered values before each checkpoint is written.
-
-    A run killed later resumes from its newest checkpoint: every step before it must be on disk already. Steps
-    logged after it are logged again on resume, and the loggers drop the earlier copies (``resume``).
-    """
+    """Writes the loggers' buffered values before each checkpoint: a run killed later resumes from its newest
+    checkpoint, so every step before it must be on disk (the steps after it are logged again)."""
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         for logger in trainer.loggers:
-            if isinstance(logger, _TimedSave):
-                logger.save_now()
-            else:
-                logger.save()
+            (logger.save_now if isinstance(logger, _TimedSave) else logger.save)()
 
 
 class CSVLogger(_TimedSave, _CSVLogger):
-    """Lightning's CSVLogger, writing ``metrics.csv`` at most every ``save_interval`` seconds.
-
-    With ``resume=True`` the rows of the interrupted run are kept up to the first step the resumed run logs, and the
-    rows from there on are dropped: the resumed run logs them again, so every step appears once.
-    """
+    """Lightning's CSVLogger, writing ``metrics.csv`` at most every ``save_interval`` seconds. With ``resume=True``
+    the interrupted run's rows are kept up to the first step the resumed run logs, which logs the others again."""
 
     announcement = Mechanism(
         "loggers",
@@ -111,21 +116,20 @@ class CSVLogger(_TimedSave, _CSVLogger):
     def __init__(self, *args: Any, resume: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._resume = resume
+        self._kept: list[dict[str, str]] = []  # the interrupted run's rows, put back in metrics.csv
 
     @property
     def experiment(self) -> Any:
         if internals.built_experiment(self) is not None or not self._resume or rank_zero_only.rank != 0:
-            with self._disk_errors("nothing was written"):
-                return super().experiment
-        path = Path(self.log_dir) / METRICS
-        rows = _kept_rows(path)  # Lightning's writer deletes an existing metrics.csv when it starts
-        with self._disk_errors("nothing was written"), warnings.catch_warnings():
+            return super().experiment
+        self._kept = _kept_rows(Path(self.log_dir) / METRICS)  # Lightning's writer deletes metrics.csv when it starts
+        with warnings.catch_warnings():
             # Its warning that the folder's earlier logs "will be deleted" is not true here: the rows are put back.
             warnings.filterwarnings("ignore", "Experiment logs directory .* exists and is not empty", UserWarning)
             writer = super().experiment
-        if rows:
-            writer.metrics = rows
-            self._write(writer.save)  # back on disk at once: a run killed before its first save loses nothing
+        if self._kept:
+            writer.metrics = list(self._kept)
+            self._write(writer.save)  # at once: a run killed before its first save loses nothing
         return writer
 
     def _files(self) -> list[tuple[Path, bool]]:
@@ -136,21 +140,25 @@ class CSVLogger(_TimedSave, _CSVLogger):
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._resume and step is not None and rank_zero_only.rank == 0:
-            self._resume = False
-            self._write(self.experiment.save)
-            with self._disk_errors("the logs up to the last save are kept"):
-                _drop_rows_from(Path(self.log_dir) / METRICS, step, set(metrics) - {"epoch", "step"})
+            # The rows from the first step logged again on are dropped, and at that step those holding its values
+            # (after an epoch's last step, the resumed run logs the epoch's values only).
+            self._resume, keys = False, set(metrics) - {"epoch", "step"}
+            kept = [r for r in self._kept if (s := float(r["step"])) < step or (s == step and not keys & r.keys())]
+            if len(kept) < len(self._kept):
+                text = io.StringIO(newline="")
+                rows = csv.DictWriter(text, fieldnames=self.experiment.metrics_keys)
+                rows.writeheader()
+                rows.writerows(kept)
+                with disk_errors(self.log_dir, KEPT):
+                    atomic_write(Path(self.log_dir) / METRICS, lambda f: f.write(text.getvalue().encode()))
         super().log_metrics(metrics, step)
 
 
 class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
-    """Lightning's TensorBoardLogger, flushing its event file at most every ``save_interval`` seconds.
-
-    With ``resume=True`` its first logged step tells TensorBoard to hide the interrupted run's events from the
-    checkpoint's step (``resume_step``) on, as ``SummaryWriter(purge_step=...)`` would, and no second ``hp_metric``
-    is logged at step 0. A run resumed after its epoch's last step logs the epoch's values one step earlier than
-    the checkpoint's step, which must not hide that step's own.
-    """
+    """Lightning's TensorBoardLogger, flushing its event file at most every ``save_interval`` seconds. With
+    ``resume=True`` it logs no second ``hp_metric``, and its first logged step hides the interrupted run's events from
+    the checkpoint's step (``resume_step``) on, as ``SummaryWriter(purge_step=...)`` would; not from that first step,
+    which after an epoch's last step is one earlier (the epoch's values) and must not hide that step's own."""
 
     announcement = CSVLogger.announcement
 
@@ -159,22 +167,6 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
             kwargs["default_hp_metric"] = False
         super().__init__(*args, **kwargs)
         self._resume, self._resume_step = resume, resume_step
-
-    @property
-    def experiment(self) -> Any:
-        if internals.built_experiment(self) is not None or rank_zero_only.rank != 0:
-            return super().experiment
-        # SummaryWriter creates its event file when it is built: one it could not write is removed.
-        folder = Path(self.log_dir)
-        before = set(folder.glob("events.out.tfevents.*"))
-        try:
-            with self._disk_errors("nothing was written"):
-                return super().experiment
-        except DiskError:
-            for created in set(folder.glob("events.out.tfevents.*")) - before:
-                with contextlib.suppress(OSError):
-                    created.unlink()
-            raise
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._resume and step is not None and rank_zero_only.rank == 0:
@@ -187,39 +179,14 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
-class DamagedMetrics(ValueError):
-    """A metrics.csv that does not parse as the rows a CSVLogger writes."""
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics.csv, or DamagedMetrics: not text, no ``step`` column, a row with more or fewer cells
-    than the header (cut by a crash), or a step that is not a number."""
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise DamagedMetrics(f"not a CSV file ({err})") from None
-    if rows and "step" not in (header := reader.fieldnames or []):
-        raise DamagedMetrics(f"no 'step' column in its header {header[:5]}")
-    for number, row in enumerate(rows, start=2):
-        if None in row or None in row.values():
-            raise DamagedMetrics(f"line {number} has {'more' if None in row else 'fewer'} cells than the header")
-        try:
-            float(row["step"])
-        except ValueError:
-            raise DamagedMetrics(f"line {number} has step {row['step']!r}, not a number") from None
-    return rows
-
-
 def _kept_rows(path: Path) -> list[dict[str, str]]:
-    """The interrupted run's rows, each without its empty cells; [] when there is no metrics.csv, or a damaged one,
-    which is renamed to the first free ``metrics.damaged-<n>.csv`` beside it (the run's logs start afresh)."""
+    """The rows of an interrupted run's metrics.csv, without their empty cells; [] when there is none. One that is not
+    a CSVLogger's is renamed to the first free ``metrics.damaged-<n>.csv`` beside it: the logs start afresh."""
     if not path.is_file():
         return []
     try:
-        rows = _rows(path)
-    except DamagedMetrics as err:
+        return _rows(path)
+    except ValueError as err:
         n = 1
         while (aside := path.with_name(f"{path.stem}.damaged-{n}{path.suffix}")).exists():
             n += 1
@@ -227,34 +194,128 @@ def _kept_rows(path: Path) -> list[dict[str, str]]:
             os.rename(path, aside)
         rank_zero_info(f"{path} is damaged ({err}): kept aside as {aside.name}; this run's logs start afresh")
         return []
-    return [{k: v for k, v in row.items() if v not in ("", None)} for row in rows]
 
 
-def _drop_rows_from(path: Path, step: int, keys: set[str]) -> None:
-    """Rewrite ``path`` (atomically) without its rows after ``step``, nor those of ``step`` holding any of ``keys``:
-    the step and the values the resumed run logs first (after its epoch's last step, the epoch's values only)."""
+def _rows(path: Path) -> list[dict[str, str]]:
+    """ValueError when not text, no ``step`` column, a row cut by a crash, or a step that is not a number."""
     try:
-        rows = _rows(path) if path.is_file() else []
-    except DamagedMetrics:
-        return  # read when the run resumed; a file changed since is not this run's to rewrite
-    kept = [r for r in rows if (s := float(r["step"])) < step or (s == step and not any(r.get(k) for k in keys))]
-    if len(kept) == len(rows):
-        return
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=list(rows[0]))  # every row has exactly the header's cells
-    writer.writeheader()
-    writer.writerows(kept)
-    atomic_write(path, lambda f: f.write(text.getvalue().encode()))
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"not a CSV file ({err})") from None
+    if rows and "step" not in (header := reader.fieldnames or []):
+        raise ValueError(f"no 'step' column in its header {header[:5]}")
+    for number, row in enumerate(rows, start=2):
+        if None in row or None in row.values():
+            raise ValueError(f"line {number} has {'more' if None in row else 'fewer'} cells than the header")
+        try:
+            float(row["step"])
+        except ValueError:
+            raise ValueError(f"line {number} has step {row['step']!r}, not a number") from None
+    return [{k: v for k, v in row.items() if v} for row in rows]
 
 
-def default_loggers(
+def run_loggers(
     root: str | None, name: str, version: str | None = None, resume: bool = False, resume_step: int | None = None
 ) -> list:
     """CSV and TensorBoard logs side by side in ``<root>/<name>/<version>`` (a run's name, else the next
-    ``version_N``); ``resume`` continues its logs, from the checkpoint's ``resume_step`` when known. CSV first: its
-    folder is the one Lightning uses for config.yaml and checkpoints."""
-    root = root or "."
-    csv_logger = CSVLogger(save_dir=root, name=name, version=version, resume=resume)
-    version = csv_logger.version
-    tensorboard = TensorBoardLogger(save_dir=root, name=name, version=version, resume=resume, resume_step=resume_step)
+    ``version_N``), CSV first: its folder is the run's; ``resume`` continues them, from the checkpoint's step."""
+    csv_logger = CSVLogger(save_dir=root or ".", name=name, version=version, resume=resume)
+    tensorboard = TensorBoardLogger(root or ".", name, csv_logger.version, resume=resume, resume_step=resume_step)
     return [csv_logger, tensorboard]
+
+
+def has_trackers(loggers: Sequence[Any]) -> bool:
+    """Whether any of ``loggers`` is an MLflow or W&B tracker, whose run a restart continues."""
+    return any(key is not None for key in _keys(loggers))
+
+
+def _keys(loggers: Sequence[Any]) -> list[str | None]:
+    """A name per MLflow or W&B logger in ``trackers.json`` (its kind, numbered from the second of a kind on)."""
+    keys: list[str | None] = []
+    for logger in loggers:
+        kind = next((cls.__name__ for cls in _ID_ARGUMENT if isinstance(logger, cls)), None)
+        count = sum(key is not None and key.split("#")[0] == kind for key in keys)
+        keys.append(None if kind is None else f"{kind}#{count + 1}" if count else kind)
+    return keys
+
+
+def _saved(folder: Path) -> dict[str, dict[str, Any]]:
+    try:
+        saved = json.loads((folder / TRACKERS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def resume_trackers(trackers: Sequence[Any], configs: Sequence[Any], run_folder: str | os.PathLike | None) -> list:
+    """``trackers`` as configured (``configs``: their ``class_path``/``init_args``), each MLflow or W&B one rebuilt to
+    continue the tracker run whose id ``run_folder`` records, unless its config names a run itself. A requeued or
+    restarted run then does not split its training curve into two tracker runs."""
+    saved = _saved(Path(run_folder)) if run_folder is not None else {}
+    resumed = []
+    for key, tracker, config in zip(_keys(trackers), trackers, configs, strict=True):
+        run_id = saved.get(key or "", {}).get("id")
+        init_args = config.init_args.as_dict() if config.get("init_args") else {}
+        argument = _ID_ARGUMENT.get(type(tracker))
+        if argument is None or run_id is None or init_args.get(argument) is not None:
+            resumed.append(tracker)
+            continue
+        cls = ContinuedMLFlowLogger if isinstance(tracker, MLFlowLogger) else type(tracker)
+        resumed.append(cls(**{**init_args, argument: run_id}))
+        rank_zero_info(f"{type(tracker).__name__}: continuing tracker run {run_id} (from {run_folder}/{TRACKERS})")
+    return resumed
+
+
+class ContinuedMLFlowLogger(MLFlowLogger):
+    """An MLFlowLogger continuing a run, skipping the steps it holds already: a restart from a checkpoint older than
+    the last logged step (after a SIGKILL) logs them again, with the same values."""
+
+    _logged_through: int | None = None
+
+    @override
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self._logged_through is None:
+            run = self.experiment.get_run(self.run_id)
+            steps = [m.step for key in run.data.metrics for m in self.experiment.get_metric_history(self.run_id, key)]
+            self._logged_through = max(steps, default=-1)
+        if step is None or step > self._logged_through:
+            super().log_metrics(metrics, step)
+
+
+class TrackerRuns(Callback):
+    """Records each MLflow and W&B tracker's run id in the run folder, and logs the run's config to it (rank 0):
+    ``config.yaml`` (and each ``config.restart-<n>.yaml``) as MLflow artifacts, the config in W&B's run config."""
+
+    announcement = Mechanism(
+        "tracker runs",
+        "a named run's MLflow/W&B runs continue on restart (ids in trackers.json); the config is logged to them",
+        "remove trackers",
+    )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
+        keys = _keys(trainer.loggers)
+        if not trainer.is_global_zero or log_dir is None or not any(keys):
+            return
+        folder = Path(log_dir)
+        saved = _saved(folder)
+        configs = [folder / "config.yaml", *sorted(folder.glob("config.restart-*.yaml"))]
+        for key, tracker in zip(keys, trainer.loggers, strict=True):
+            if key is None:
+                continue
+            entry = saved.setdefault(key, {})
+            entry["id"] = tracker.version if isinstance(tracker, WandbLogger) else tracker.run_id
+            logged = set(entry.get("configs", []))
+            for path in (p for p in configs if p.is_file() and p.name not in logged):
+                if isinstance(tracker, MLFlowLogger):
+                    tracker.experiment.log_artifact(tracker.run_id, str(path))
+                else:
+                    config = yaml.safe_load(path.read_text()) or {}
+                    tracker.experiment.config.update({"config": config}, allow_val_change=True)
+                logged.add(path.name)
+            entry["configs"] = sorted(logged)
+        text = json.dumps(saved, indent=1)
+        atomic_write(folder / TRACKERS, lambda f: f.write(text.encode()))
