@@ -197,9 +197,8 @@ class CLI(LightningCLI):
         files = {value: preflight.read(value) for value in preflight.split(argv)[0]}  # a broken file, by its name
         print_config = internals.print_config_action()
         with print_config.skip_print_config():  # printed below, once the config is what the run will use
-            # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
-            # DataModule would train with the digits' batch_size); as the parser's default it gets its own. The
-            # classes the command line names are the defaults of the parse; where it chose others, it runs again.
+            # jsonargparse hands a newly chosen class the example's values for the arguments they share; as the
+            # parser's default it gets its own. Where the parse chose other classes than guessed, it runs again.
             named = _named_classes(argv, files) if (subcommand := self._only_subcommand) else {}
             if named:
                 parser.set_defaults(_as_defaults(subcommand, named))
@@ -214,16 +213,13 @@ class CLI(LightningCLI):
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
-        # LightningCLI's, without its warning that `args` and sys.argv are both given: `args` come only from Python
-        # (a sweep building each trial's config, a test), where they are the ones meant.
+        # LightningCLI's, without its warning that `args` and sys.argv are both given: from Python `args` are meant.
         self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
 
     @override
     def before_instantiate_classes(self) -> None:
-        # Every class of the config is built by a blame.Instantiator, so that a refusal names the option that built
-        # it: around Lightning's model and data instantiators, and for every other class. Lightning's model
-        # instantiator records every link in the hyper-parameters, also those jsonargparse did not apply (a module
-        # without such an argument), and load_from_checkpoint would then fail on a missing `net`.
+        # Every class is built by a blame.Instantiator, so that a refusal names the option that built it. Lightning's
+        # model instantiator records even links jsonargparse did not apply, which load_from_checkpoint then misses.
         config = _of_subcommand(self.config)
         model = _AppliedLinksOnly(cli=self, key="model")
         data = internals.instantiator_class()(cli=self, key="data")
@@ -233,20 +229,13 @@ class CLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         subcommand, config, built = self.subcommand or "", _of_subcommand(self.config), _of_subcommand(self.config_init)
-        trainer_config = built.get("trainer") or {}
+        trainer_config, watchdog, trackers = built.get("trainer") or {}, built.get("watchdog"), built.get("trackers")
         run = self.fit_run or Run(None, None, None, resume=False)
         kwargs = {
-            **loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
+            **loggers(trainer_config, run, trackers or [], config.get("trackers") or []),
             **plugins(trainer_config),
-            **strategy(trainer_config, config.get("trainer.strategy"), built.get("watchdog")),
-            **callbacks(
-                trainer_config,
-                subcommand,
-                run,
-                config.get("checkpoint.monitor"),
-                config.get("ema"),
-                built.get("trackers"),
-            ),
+            **strategy(trainer_config, config.get("trainer.strategy"), watchdog),
+            **callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema"), trackers),
             **run_folder_arguments(run.directory, trainer_config, built.get("checkpoint")),
             **kwargs,
         }
@@ -256,7 +245,7 @@ class CLI(LightningCLI):
             devices.resolve_free_devices(trainer_config)
             check_dp_trainer_config(trainer_config)
             fsdp.check_fsdp_trainer_config(trainer_config)
-            with process_group_timeout(built.get("watchdog")):
+            with process_group_timeout(watchdog):
                 trainer = super().instantiate_trainer(**kwargs)
             self.folders.trainer = trainer  # main asks it what ended the job, and whether training started
             devices.apply_matmul_precision(built.get("float32_matmul_precision"), trainer)
@@ -315,8 +304,7 @@ class CLI(LightningCLI):
     def after_fit(self) -> None:
         checkpoint = self.trainer.checkpoint_callback
         if _of_subcommand(self.config).get("test_after_fit"):
-            # The best checkpoint (the last weights when no metric chose one), logged into the run's logs; rank zero
-            # writes the metrics and their checkpoint to <run folder>/test-results.json.
+            # The best checkpoint (else the last weights), logged into the run's logs and to its RESULTS file.
             best = getattr(checkpoint, "best_model_path", "") or None
             rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")
             results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path="best" if best else None)
@@ -360,8 +348,7 @@ def settle(config: Any, subcommand: str | None) -> Run | None:
 
 
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
-    """Create the run's folder (and a checkpoint folder of the user's), prove it writable and lock it, before anything
-    is written there."""
+    """Create the run's folder (and the user's checkpoint folder), prove it writable and lock it, before any write."""
     dirpath = config.get("checkpoint.dirpath") if subcommand == "fit" else None
     if dirpath is not None and get_protocol(str(dirpath)) == "file":
         # Not found unwritable by the first checkpoint an epoch later; remote stores (s3://) are their client's.
@@ -393,8 +380,7 @@ def _as_defaults(subcommand: str, classes: dict[str, str]) -> dict[str, Any]:
 
 
 def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The model and data classes the command line names in a config file (``files``: each one's options) or by
-    ``--model``/``--data``, the last naming each winning: a guess, which the parse confirms."""
+    """The model and data classes ``argv`` names in a config file (``files``) or by ``--model``/``--data``: a guess."""
     named: dict[str, Any] = {}
     options = [f"--{key}{end}" for key in EXAMPLE for end in ("", ".class_path")]
     for option, value in preflight.split_options(argv, *preflight.CONFIG_OPTIONS, *options)[0]:
@@ -424,8 +410,7 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
 
 
 class _attribute:  # noqa: N801 - used like a function in the links above
-    """A link reading ``name`` from the data module (None when it has none). A class, not a closure: ``ddp_spawn``
-    pickles the model, whose hyper-parameters hold the links."""
+    """A link reading ``name`` from the data module, if it has one; not a closure: ``ddp_spawn`` pickles the links."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -436,8 +421,8 @@ class _attribute:  # noqa: N801 - used like a function in the links above
 
 
 def loggers(trainer_config: dict[str, Any], run: Run, trackers: list[Any], configs: list[Any]) -> dict[str, Any]:
-    """The ``logger`` argument: CSV (first: its folder is the run's) and TensorBoard in the run's folder, then the
-    trackers (a restarted named run's continuing their tracker runs); {} keeps the config's."""
+    """The ``logger`` argument: CSV (first: its folder is the run's), TensorBoard, then the trackers (a restarted
+    run's continuing their tracker runs); {} keeps the config's."""
     trackers = tracking.resume_trackers(trackers, configs, run.directory)
     logger = trainer_config.get("logger")
     if logger in (None, True):
@@ -506,8 +491,7 @@ def callbacks(
     ema: Any = None,
     trackers: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``callbacks`` argument: the config's, a quieter progress bar; for fit, the monitors' check, preemption,
-    provenance, the tracker runs, the weights' average (``ema``) and periodic saves."""
+    """The ``callbacks`` argument: the config's, a quieter progress bar, and for fit what a run needs of its own."""
     configured = _listed(trainer_config.get("callbacks"))
     added: list[Callback] = []
     if trainer_config.get("enable_progress_bar") is not False and not any(
@@ -525,8 +509,7 @@ def callbacks(
         added += [*([MonitorCheck(monitors)] if monitors else []), *([tracking.TrackerRuns()] if tracked else [])]
         added += [LogsBeforeCheckpoints()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
-        # After the callbacks that change the training state at a batch's end (the weights' average, the user's): the
-        # checkpoints written there hold this batch's changes.
+        # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.
         preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
         added += [*preemption, Provenance(), *periodic_checkpoint(run)]
     return {"callbacks": [*configured, *added]} if added else {}
@@ -587,8 +570,7 @@ def _quiet_libraries() -> Iterator[None]:
 def build_cli(
     args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI, folders: RunFolders | None = None
 ) -> CLI:
-    """The command line as ``python -m <package>`` builds it; ``folders`` (the command's) holds the run folder it
-    claims and the trainer it builds."""
+    """The command line; ``folders`` (the command's) holds the run folder it claims and the trainer it builds."""
     plain = "; ".join(f"{name}: {c.description}" for name, c in COMMANDS.items() if c.runs is not None)
     return cli_class(
         LightningModule,
@@ -608,8 +590,8 @@ def build_cli(
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``python -m <package>`` and its console script. Every failure is reported here: one ``error:``
-    line and its exit code (``blame.verdict``), or the user's exception with its traceback."""
+    """``python -m <package>``: every failure is reported here, as one ``error:`` line and its exit code
+    (``blame.verdict``), or as the user's exception with its traceback."""
     argv = sys.argv[1:] if args is None else list(args)
     handlers = signal_handlers()
     folders = RunFolders()
@@ -628,16 +610,14 @@ def main(args: list[str] | None = None) -> None:
     finally:
         folders.release()
         if args is not None:
-            # Called from Python, which goes on. Run as the program, the process ends with the command: the run's
-            # handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.
+            # Called from Python, which goes on; a program keeps them, to report a signal during its shutdown.
             restore_signal_handlers(handlers)
     if own is not None:
         raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 
 
 def _report(err: Exception, folders: RunFolders) -> BaseException:
-    """A mistake (2), the disk (3) or a dead rank: its line, and the process ends with its exit code. Else the line
-    naming the user's function that raised, and the exception to raise with its traceback."""
+    """Print the line of a mistake (2), the disk (3) or a dead rank and exit; else the exception to raise."""
     found = blame.verdict(err, dead=lambda e: _dead_rank(e, folders.trainer))
     if found is None:
         if (line := blame.user_code_line(err)) is not None:

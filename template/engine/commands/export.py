@@ -27,8 +27,8 @@ from template.engine.store import atomic_torch_save
 
 # Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
 DEFAULT_PREFIX = "net."
-_WRAPPER_PREFIX = "module."  # DataParallel and DistributedDataParallel
-_COMPILED_SEGMENT = "_orig_mod."  # torch.compile, at the top or around a compiled submodule
+# DataParallel's and DistributedDataParallel's "module.", torch.compile's "_orig_mod." (also around a submodule).
+_WRAPPERS = re.compile(r"^(?:(?:module|_orig_mod)\.)+|(?<=\.)_orig_mod\.")
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model")
 # ONNX Runtime's output must match PyTorch's within |ort - torch| <= ATOL + RTOL * |torch| (fp32).
 ATOL, RTOL = 1e-4, 1e-3
@@ -54,9 +54,7 @@ def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX, source: st
 
 def clean_key(key: str) -> str:
     """``key`` without the names that DataParallel, DistributedDataParallel and torch.compile add around it."""
-    while key.startswith(_WRAPPER_PREFIX) or key.startswith(_COMPILED_SEGMENT):
-        key = key.removeprefix(_WRAPPER_PREFIX).removeprefix(_COMPILED_SEGMENT)
-    return key.replace(f".{_COMPILED_SEGMENT}", ".")
+    return _WRAPPERS.sub("", key)
 
 
 def load_weights(
