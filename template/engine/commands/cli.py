@@ -145,10 +145,9 @@ class CLI(LightningCLI):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Only the parser of the subcommand the command line names first is built, not all four.
-        argv = kwargs.get("args")
-        argv = sys.argv[1:] if argv is None else argv
-        first = argv[0] if isinstance(argv, (list, tuple)) and argv else None
-        self._only_subcommand = first if first in LightningCLI.subcommands() else None
+        given = kwargs.get("args")
+        argv = sys.argv[1:] if given is None else list(given) if isinstance(given, (list, tuple)) else []
+        self._only_subcommand = argv[0] if argv and argv[0] in LightningCLI.subcommands() else None
         self.folders: RunFolders = kwargs.pop("folders", None) or RunFolders()  # what this command claims and creates
         super().__init__(*args, **kwargs)
 
