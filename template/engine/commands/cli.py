@@ -1,74 +1,66 @@
-"""The command line: LightningCLI with the project's defaults, and ``main``, where every failure is reported.
-
-What the command line adds to a Trainer is in ``wiring.py``; this module calls it from LightningCLI's hooks.
-"""
+"""The command line: LightningCLI with the project's defaults, what it adds to a Trainer (each piece built from the
+parsed config; one that changes the run is announced in its first lines), and ``main``, which reports every failure."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import functools
 import inspect
+import json
 import logging
 import pkgutil
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import torch
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import template
-from template.engine import internals
-from template.engine.commands import preflight, wiring
-from template.engine.commands.wiring import PredictionWriter, evaluate_best
-from template.engine.errors import (
-    TRACEBACK_VARIABLE,
-    ConfigError,
-    blame,
-    explain_trainer_error,
-    full_traceback,
-    one_line,
-)
-from template.engine.jobs.preemption import restore_signal_handlers, signal_handlers
+from template.engine import errors, internals
+from template.engine.commands import preflight
+from template.engine.errors import ConfigError, blame
+from template.engine.jobs.preemption import Preemption, restore_signal_handlers, signal_handlers
 from template.engine.jobs.processes import HangWatchdog, dead_rank, join_restarted_group
-from template.engine.logs.console import ThroughputLog, first_lines
+from template.engine.logs import loggers as tracking
+from template.engine.logs.console import MonitorCheck, ThroughputLog, TimedProgressBar, first_lines
+from template.engine.logs.loggers import LogsBeforeCheckpoints, run_loggers
 from template.engine.resume import checkpoints
-from template.engine.resume.continuation import Run, continue_run
+from template.engine.resume.continuation import Run, continue_run, periodic_checkpoint
 from template.engine.resume.states import RNGStateCheckpoint
-from template.engine.runs import run_dir
-from template.engine.runs.folder import (
-    RunConfigCallback,
-    RunFolders,
-    RunOptions,
-    newest_under,
-    run_folder_arguments,
-    run_name,
-)
-from template.engine.store import prove_writable
+from template.engine.runs import LOGS, folder, run_dir
+from template.engine.runs.folder import RunConfigCallback, RunFolders, RunOptions, newest_under, run_folder_arguments
+from template.engine.runs.provenance import Provenance
+from template.engine.store import atomic_write, prove_writable
+from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config, devices, fsdp  # registers dp, fsdp
 from template.engine.strategies.compile import CompileNetwork
-from template.engine.strategies.devices import add_gpu_arguments
-from template.engine.strategies.ema import EMAOptions
+from template.engine.strategies.ema import EMAOptions, ema_callbacks
 from template.engine.strategies.scaling import BatchScaling
 
 PROGRAM = f"python -m {template.__name__}"
-
 # The example the command line runs unless a config names another LightningModule or DataModule.
 EXAMPLE = {"model": f"{template.__name__}.model.Classifier", "data": f"{template.__name__}.data.DigitsDataModule"}
-# The parser's defaults for the model and data: the example's classes.
 EXAMPLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"class_path": EXAMPLE["model"], "init_args": {"net": {"class_path": f"{template.__name__}.nets.MLP"}}},
     "data": {"class_path": EXAMPLE["data"]},
 }
-# The callbacks configured in sections of their own (--checkpoint.monitor, --scaling.batch_size...), by section.
+# The callbacks configured in sections of their own (--checkpoint.monitor, --scaling.batch_size...).
 CALLBACK_SECTIONS: dict[str, type[Callback]] = {
     "checkpoint": checkpoints.ModelCheckpoint,
     "scaling": BatchScaling,
@@ -76,8 +68,7 @@ CALLBACK_SECTIONS: dict[str, type[Callback]] = {
     "compile": CompileNetwork,
     "throughput": ThroughputLog,
 }
-# What the example's best checkpoint is chosen by; a module chosen by class_path names its own (checkpoint.monitor).
-EXAMPLE_MONITOR = {"checkpoint.monitor": "val_acc", "checkpoint.mode": "max"}
+RESULTS = "test-results.json"
 
 
 @dataclass(frozen=True)
@@ -88,7 +79,7 @@ class Command:
     runs: str | None = None
 
 
-# Every subcommand, in the order --help lists them. A plain one (no Trainer) is one entry with `runs`.
+# Every subcommand, in the order --help lists them.
 COMMANDS: dict[str, Command] = {
     "fit": Command("Train (a named run continues from its newest checkpoint)"),
     "validate": Command("Evaluate a checkpoint on the validation data"),
@@ -113,24 +104,24 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def _described(method: Callable[..., Any], command: Command) -> Callable[..., Any]:
-    """``method`` with the command's description as its docstring: LightningCLI's --help shows its first line."""
+def _described(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` with its command's description as the docstring, whose first line LightningCLI's --help shows."""
 
     @functools.wraps(method)
     def run(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         return method(self, *args, **kwargs)
 
-    run.__doc__ = command.description
+    run.__doc__ = COMMANDS[method.__name__].description
     return run
 
 
 class DescribedTrainer(Trainer):
     """Lightning's Trainer, whose subcommand methods carry this command line's descriptions."""
 
-    fit = _described(Trainer.fit, COMMANDS["fit"])
-    validate = _described(Trainer.validate, COMMANDS["validate"])
-    test = _described(Trainer.test, COMMANDS["test"])
-    predict = _described(Trainer.predict, COMMANDS["predict"])
+    fit = _described(Trainer.fit)
+    validate = _described(Trainer.validate)
+    test = _described(Trainer.test)
+    predict = _described(Trainer.predict)
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -148,37 +139,32 @@ class ArgumentParser(LightningArgumentParser):
 class CLI(LightningCLI):
     """The project's command line: ``python -m <package> {fit,validate,test,predict} --config configs/x.yaml``."""
 
-    fit_run: Run | None = None  # what a fit continues (continuation.continue_run), found once by the parse
+    fit_run: Run | None = None  # what a fit continues, found once by the parse
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Only the parser of the subcommand the command line names first is built, not all four.
-        argv = kwargs.get("args")
-        argv = sys.argv[1:] if argv is None else argv
-        first = argv[0] if isinstance(argv, (list, tuple)) and argv else None
-        self._only_subcommand = first if first in LightningCLI.subcommands() else None
+        given = kwargs.get("args")
+        argv = sys.argv[1:] if given is None else list(given) if isinstance(given, (list, tuple)) else []
+        self._only_subcommand = argv[0] if argv and argv[0] in LightningCLI.subcommands() else None
         self.folders: RunFolders = kwargs.pop("folders", None) or RunFolders()  # what this command claims and creates
         super().__init__(*args, **kwargs)
 
     @override
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  # a staticmethod in LightningCLI
         every = LightningCLI.subcommands()
-        only = getattr(self, "_only_subcommand", None)
-        return {only: every[only]} if only is not None else every
+        return {self._only_subcommand: every[self._only_subcommand]} if self._only_subcommand else every
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        self.parser_class = ArgumentParser
         # argparse would otherwise take a misspelt prefix (--trainer.max_epoch) silently as the option it abbreviates.
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("exit_on_error", False)  # raise what it refuses: main reports it in one line
-        return super().init_parser(**kwargs)
+        return super().init_parser(**{"allow_abbrev": False, "exit_on_error": False, **kwargs})
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         self.sections = parser.groups  # trainer, model, data: `trainer:` in a config file must be a mapping
         for option, callback in CALLBACK_SECTIONS.items():
             parser.add_lightning_class_args(callback, option)
-        add_gpu_arguments(parser)
+        devices.add_gpu_arguments(parser)
         parser.add_class_arguments(RunOptions, "run", instantiate=False)
         parser.add_class_arguments(EMAOptions, "ema", instantiate=False)
         parser.add_argument(
@@ -191,12 +177,11 @@ class CLI(LightningCLI):
             help="Experiment trackers (Lightning loggers, e.g. configs/mlflow.yaml) logging beside the CSV and "
             "TensorBoard logs",
         )
-        # The example's classes; any LightningModule and LightningDataModule replace them by class_path.
         parser.set_defaults(
             {**EXAMPLE_DEFAULTS, "checkpoint.save_last": True, "checkpoint.auto_insert_metric_name": False}
         )
-        # The data knows its shapes: networks and metrics get them from it instead of hard-coding them. jsonargparse
-        # applies a link only where the chosen model (and its `net`) has the argument.
+        # The data knows its shapes: networks and metrics get them from it. jsonargparse applies a link only where the
+        # chosen model (and its `net`) has the argument.
         for attribute in ("num_classes", "input_shape"):
             parser.link_arguments(
                 "data", f"model.init_args.net.init_args.{attribute}", _attribute(attribute), apply_on="instantiate"
@@ -209,19 +194,15 @@ class CLI(LightningCLI):
         files = {value: preflight.read(value) for value in preflight.split(argv)[0]}  # a broken file, by its name
         print_config = internals.print_config_action()
         with print_config.skip_print_config():  # printed below, once the config is what the run will use
-            # jsonargparse hands a newly chosen class the example's values for the arguments it shares (a user's
-            # DataModule would train with the digits' batch_size); as the parser's default it gets its own. The
-            # classes the command line names are the defaults of the parse; where it chose others, it runs again.
+            # jsonargparse hands a newly chosen class the example's values for the arguments they share; as the
+            # parser's default it gets its own. Where the parse chose other classes than guessed, it runs again.
             named = _named_classes(argv, files) if (subcommand := self._only_subcommand) else {}
             if named:
-                parser.set_defaults({f"{subcommand}.{key}": value for key, value in named.items()})
+                parser.set_defaults(_as_defaults(subcommand, named))
             self._parse(parser, args)
-            subcommand = self.config.get("subcommand")
-            chosen = _chosen_classes(_of_subcommand(self.config))
-            if subcommand and chosen != named:
-                parser.set_defaults(
-                    {f"{subcommand}.{key}": chosen.get(key, EXAMPLE_DEFAULTS[key]) for key in {*chosen, *named}}
-                )
+            chosen = _classes({key: _of_subcommand(self.config).get(f"{key}.class_path") for key in EXAMPLE})
+            if (subcommand := self.config.get("subcommand")) and chosen != named:
+                parser.set_defaults(_as_defaults(subcommand, chosen))
                 self._parse(parser, args)
         config = _of_subcommand(self.config)
         preflight.check_sections(files, self.sections, config)
@@ -229,68 +210,68 @@ class CLI(LightningCLI):
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
-        # LightningCLI.parse_arguments without its warning that `args` and sys.argv are both given: `args` reach this
-        # command line only from Python (a sweep building each trial's config, a test), where they are the ones meant.
+        # LightningCLI's, without its warning that `args` and sys.argv are both given: from Python `args` are meant.
         self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
 
     @override
     def before_instantiate_classes(self) -> None:
-        # Every class of the config is built by an Instantiator, so that a refusal names the option that built it:
-        # these wrap the model and data instantiators Lightning has just registered, the last takes every other class.
+        # Every class is built by a blame.Instantiator, so that a refusal names the option that built it. Lightning's
+        # model instantiator records even links jsonargparse did not apply, which load_from_checkpoint then misses.
         config = _of_subcommand(self.config)
-
-        def instantiator(wrapped: Callable[..., Any] | None = None) -> blame.Instantiator:
-            return blame.Instantiator(config, CALLBACK_SECTIONS, wrapped)
-
-        # Lightning's model instantiator records every link in the hyper-parameters, also links jsonargparse did not
-        # apply because a user's module has no such argument, and load_from_checkpoint then fails on a missing `net`.
         model = _AppliedLinksOnly(cli=self, key="model")
-        self.parser.add_instantiator(instantiator(model), LightningModule, subclasses=True)
         data = internals.instantiator_class()(cli=self, key="data")
-        self.parser.add_instantiator(instantiator(data), LightningDataModule, subclasses=True)
-        self.parser.add_instantiator(instantiator(), object, subclasses=True)
+        for wrapped, cls in ((model, LightningModule), (data, LightningDataModule), (None, object)):
+            self.parser.add_instantiator(blame.Instantiator(config, CALLBACK_SECTIONS, wrapped), cls, subclasses=True)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         subcommand, config, built = self.subcommand or "", _of_subcommand(self.config), _of_subcommand(self.config_init)
-        trainer_config = built.get("trainer") or {}
+        trainer_config, watchdog, trackers = built.get("trainer") or {}, built.get("watchdog"), built.get("trackers")
         run = self.fit_run or Run(None, None, None, resume=False)
         kwargs = {
-            **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
-            **wiring.plugins(trainer_config),
-            **wiring.strategy(trainer_config, config.get("trainer.strategy"), built.get("watchdog")),
-            **wiring.callbacks(
-                trainer_config,
-                subcommand,
-                run,
-                config.get("checkpoint.monitor"),
-                config.get("ema"),
-                built.get("trackers"),
-            ),
+            **loggers(trainer_config, run, trackers or [], config.get("trackers") or []),
+            **plugins(trainer_config),
+            **strategy(trainer_config, config.get("trainer.strategy"), watchdog),
+            **callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema"), trackers),
             **run_folder_arguments(run.directory, trainer_config, built.get("checkpoint")),
             **kwargs,
         }
         try:
-            wiring.check_devices(trainer_config)
-            with wiring.process_group_timeout(built.get("watchdog")):
+            # Before Lightning's less helpful checks.
+            devices.hide_gpus_from_cpu_run(trainer_config)
+            devices.resolve_free_devices(trainer_config)
+            check_dp_trainer_config(trainer_config)
+            fsdp.check_fsdp_trainer_config(trainer_config)
+            with process_group_timeout(watchdog):
                 trainer = super().instantiate_trainer(**kwargs)
             self.folders.trainer = trainer  # main asks it what ended the job, and whether training started
-            wiring.after_trainer(trainer, built.get("float32_matmul_precision"), trainer_config.get("callbacks"))
+            devices.apply_matmul_precision(built.get("float32_matmul_precision"), trainer)
+            users = {id(c) for c in _listed(trainer_config.get("callbacks"))}
+            for callback in trainer.callbacks:
+                if id(callback) not in users:
+                    internals.skip_idle_step_hooks(callback)
+            # Lightning compares devices x num_nodes with what torchrun or SLURM started only inside fit, with a
+            # traceback from every process: here the mismatch is one line.
+            launcher = getattr(trainer.strategy, "launcher", None)
+            if getattr(launcher, "cluster_environment", None) is not None:
+                launcher.cluster_environment.validate_settings(launcher.num_processes, launcher.num_nodes)
         except (MisconfigurationException, ValueError, TypeError) as err:
             if isinstance(err, TypeError) and "devices" not in str(err):
                 raise
             # Lightning's complaint about the Trainer's arguments, said here where their values are known.
-            raise ConfigError(explain_trainer_error(one_line(err), trainer_config.get("devices"))) from None
+            raise ConfigError(
+                errors.explain_trainer_error(errors.one_line(err), trainer_config.get("devices"))
+            ) from None
         rank_zero_info(first_lines(trainer, fit=subcommand == "fit"))
         return trainer
 
     def before_fit(self) -> None:
-        # Here, before Lightning launches the other DDP processes and calls the DataModule's hooks, a batch that
-        # does not divide is reported once and the DataModule sees its per-process batch from the start.
-        # Also before Lightning's process group: a torchrun restart needs one apart from the failed attempt's.
+        # Before Lightning launches the other DDP processes and calls the DataModule's hooks (a batch that does not
+        # divide is reported once), and before its process group (a torchrun restart needs one of its own).
         subcommand, config = self.subcommand or "fit", _of_subcommand(self.config)
         preflight.check_trainer_counts(config)
-        preflight.check_strategy(self.trainer, self.model)
+        if isinstance(self.trainer.strategy, FSDP2Strategy):
+            self.trainer.strategy.check_module(self.model)
         if subcommand == "fit":
             preflight.build_optimizers(config, self.model)
         elif config.get("ckpt_path") is None:
@@ -318,26 +299,34 @@ class CLI(LightningCLI):
         rank_zero_info(f"Predictions: {writer.path(self.trainer)}")
 
     def after_fit(self) -> None:
-        if self._get(self.config, "test_after_fit"):
-            evaluate_best(self.trainer, self.model, self.datamodule)
-        line = wiring.best_checkpoint_line(self.trainer.checkpoint_callback)
-        if line is not None:
-            rank_zero_info(line)
+        checkpoint = self.trainer.checkpoint_callback
+        if _of_subcommand(self.config).get("test_after_fit"):
+            # The best checkpoint (else the last weights), logged into the run's logs and to its RESULTS file.
+            best = getattr(checkpoint, "best_model_path", "") or None
+            rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")
+            results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path="best" if best else None)
+            log_dir = self.trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
+            if self.trainer.is_global_zero and log_dir is not None:
+                text = json.dumps({"checkpoint": best, "results": results}, indent=1)
+                atomic_write(Path(log_dir) / RESULTS, lambda f: f.write(text.encode()))
+        # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
+        if checkpoint is not None and checkpoint.best_model_path and checkpoint.best_model_score is not None:
+            score = float(checkpoint.best_model_score)
+            rank_zero_info(f"Best checkpoint: {checkpoint.best_model_path} ({checkpoint.monitor}={score:.4f})")
 
 
 def settle(config: Any, subcommand: str | None) -> Run | None:
     """Make the subcommand's parsed config (in place) what the run will use, as --print_config prints it and
     config.yaml saves it; the checkpoint is validated before anything reads it. For fit, the run it continues."""
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
-        config["checkpoint.monitor"] = EXAMPLE_MONITOR["checkpoint.monitor"]
+        config["checkpoint.monitor"] = "val_acc"  # what the example's best checkpoint is chosen by
         if config.get("checkpoint.mode") == "min":  # ModelCheckpoint's default; a value of the user's stays theirs
-            config["checkpoint.mode"] = EXAMPLE_MONITOR["checkpoint.mode"]
+            config["checkpoint.mode"] = "max"
     monitor = config.get("checkpoint.monitor")
     if monitor is None and config.get("checkpoint.save_top_k") == 1:
         # Without a score, a second copy of last.ckpt under another name would be all "top k" keeps.
         config["checkpoint.save_top_k"] = 0
     if config.get("checkpoint.filename") is None and monitor:
-        # The best checkpoint's name carries the score it was chosen by, whatever metric a module monitors.
         config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == "last":
@@ -348,8 +337,7 @@ def settle(config: Any, subcommand: str | None) -> Run | None:
         checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
     if subcommand != "fit":
         return None
-    # The run's folder, and its newest checkpoint when the same command is started again.
-    run = continue_run(config)
+    run = continue_run(config)  # the run's folder, and its newest checkpoint when the same command starts again
     config["ckpt_path"] = run.ckpt_path
     if (line := run.describe()) is not None:
         rank_zero_info(line)
@@ -357,16 +345,14 @@ def settle(config: Any, subcommand: str | None) -> Run | None:
 
 
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
-    """Create the run's folder (and a checkpoint folder of the user's), prove it writable and lock it for this process,
-    before anything is written there."""
+    """Create the run's folder (and the user's checkpoint folder), prove it writable and lock it, before any write."""
     dirpath = config.get("checkpoint.dirpath") if subcommand == "fit" else None
     if dirpath is not None and get_protocol(str(dirpath)) == "file":
-        # The checkpoints' own folder, chosen by the user: a first checkpoint an epoch later must not be the one to
-        # find it cannot be written. Remote stores (s3://...) are left to their own client.
+        # Not found unwritable by the first checkpoint an epoch later; remote stores (s3://) are their client's.
         folders.prepare(dirpath, "--checkpoint.dirpath")
-    name = run_name(config.get("run.name")) if subcommand == "fit" else None
+    name = folder.run_name(config.get("run.name")) if subcommand == "fit" else None
     if name is None and (not trainer.loggers or trainer.log_dir is None):
-        # Without a name or a logger there is no run folder of its own, only the root that checkpoints go to.
+        # Without a name or a logger there is no run folder, only the root that checkpoints go to.
         prove_writable(config.get("trainer.default_root_dir") or ".", "--trainer.default_root_dir")
         return
     directory = run_dir(config.get("trainer.default_root_dir"), name) if name else trainer.log_dir
@@ -374,23 +360,24 @@ def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcom
 
 
 def _of_subcommand(config: Any) -> Any:
-    """The part of a parsed (or built) config that the subcommand being run reads."""
     return config[config["subcommand"]] if config.get("subcommand") else config
 
 
-def _chosen_classes(config: Any) -> dict[str, dict[str, str]]:
-    """The model and data classes a parsed config names other than the example's, as parser defaults."""
+def _classes(paths: dict[str, Any]) -> dict[str, str]:
+    """The importable model and data classes among ``paths`` (``model``/``data`` -> class path) but the example's."""
     return {
-        key: {"class_path": path}
-        for key in EXAMPLE
-        if (path := config.get(f"{key}.class_path")) is not None and path != EXAMPLE[key]
+        key: path
+        for key, path in paths.items()
+        if isinstance(path, str) and path != EXAMPLE[key] and inspect.isclass(blame.located(path))
     }
 
 
-def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """The model and data classes other than the example's that the command line names by an importable class
-    path, in a config file (``files``: each one's options) or by ``--model``/``--data``, the last naming each
-    winning, as parser defaults: a guess, which the parse confirms."""
+def _as_defaults(subcommand: str, classes: dict[str, str]) -> dict[str, Any]:
+    return {f"{subcommand}.{k}": {"class_path": classes[k]} if k in classes else EXAMPLE_DEFAULTS[k] for k in EXAMPLE}
+
+
+def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The model and data classes ``argv`` names in a config file (``files``) or by ``--model``/``--data``: a guess."""
     named: dict[str, Any] = {}
     options = [f"--{key}{end}" for key in EXAMPLE for end in ("", ".class_path")]
     for option, value in preflight.split_options(argv, *preflight.CONFIG_OPTIONS, *options)[0]:
@@ -400,11 +387,7 @@ def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[st
         for key, section in files[value].items():
             if key in EXAMPLE and (section is None or isinstance(section, (str, dict))):  # null: the example's again
                 named[key] = section.get("class_path", named.get(key)) if isinstance(section, dict) else section
-    return {
-        key: {"class_path": path}
-        for key, path in named.items()
-        if isinstance(path, str) and path != EXAMPLE[key] and inspect.isclass(blame.located(path))
-    }
+    return _classes(named)
 
 
 class _AppliedLinksOnly(internals.instantiator_class()):
@@ -420,14 +403,11 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
     names = [name for name in link.split(".")[1:] if name != "init_args"]
     if not names or names[0] not in kwargs:
         return False
-    if len(names) == 1:
-        return True
-    return len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
+    return len(names) == 1 or len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
 
 
 class _attribute:  # noqa: N801 - used like a function in the links above
-    """A link function reading ``name`` from the data module (None when it has none). A class, not a closure:
-    ``ddp_spawn`` pickles the model, whose hyper-parameters hold the links."""
+    """A link reading ``name`` from the data module, if it has one; not a closure: ``ddp_spawn`` pickles the links."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -437,17 +417,142 @@ class _attribute:  # noqa: N801 - used like a function in the links above
         return list(value) if isinstance(value, tuple) else value
 
 
+def loggers(trainer_config: dict[str, Any], run: Run, trackers: list[Any], configs: list[Any]) -> dict[str, Any]:
+    """The ``logger`` argument: CSV (first: its folder is the run's), TensorBoard, then the trackers (a restarted
+    run's continuing their tracker runs); {} keeps the config's."""
+    trackers = tracking.resume_trackers(trackers, configs, run.directory)
+    logger = trainer_config.get("logger")
+    if logger in (None, True):
+        root = trainer_config.get("default_root_dir")
+        return {"logger": [*run_loggers(root, LOGS, run.name, run.resume, run.resume_step), *trackers]}
+    if not trackers:
+        return {}
+    if logger is False:
+        raise ConfigError("trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them")
+    return {"logger": [*_listed(logger), *trackers]}
+
+
+def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``plugins`` argument: atomic checkpoint writes, unless the config lists plugins of its own."""
+    return {"plugins": [checkpoints.AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
+
+
+def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatchdog | None) -> dict[str, Any]:
+    """The ``strategy`` argument with the watchdog's timeout for its process group; {} keeps the config's. ``fsdp`` is
+    built here (Lightning refuses the name on CPUs); a process-group strategy given by class_path (``configured``)
+    with Lightning's default timeout is built again with the watchdog's."""
+    chosen = trainer_config.get("strategy")
+    timeout = {"timeout": timedelta(seconds=watchdog.timeout)} if watchdog is not None else {}
+    if chosen == FSDP2Strategy.strategy_name:
+        return {"strategy": FSDP2Strategy(**timeout)}
+    if not (timeout and isinstance(chosen, internals.PROCESS_GROUP_STRATEGIES) and isinstance(configured, Namespace)):
+        return {}
+    init_args = configured.init_args.as_dict() if configured.get("init_args") else {}
+    if init_args.get("timeout") != default_pg_timeout:
+        return {}
+    if any(isinstance(value, dict) for value in init_args.values()):  # objects the config holds only as classes
+        rank_zero_warn(
+            f"trainer.strategy ({type(chosen).__name__}) is built from objects of its own: its process group keeps "
+            f"Lightning's timeout ({default_pg_timeout}); set trainer.strategy.init_args.timeout to bound a hang"
+        )
+        return {}
+    return {"strategy": type(chosen)(**{**init_args, **timeout})}
+
+
+@contextlib.contextmanager
+def process_group_timeout(watchdog: HangWatchdog | None) -> Iterator[None]:
+    """While the Trainer is built, the process-group strategies Lightning builds from a name (ddp, which "auto" picks
+    for several devices) get the watchdog's timeout through their StrategyRegistry entries, unless one sets its own."""
+    if watchdog is None:
+        yield
+        return
+    timeout = timedelta(seconds=watchdog.timeout)
+    entries = {
+        name: entry
+        for name, entry in StrategyRegistry.items()
+        if issubclass(entry["strategy"], internals.PROCESS_GROUP_STRATEGIES) and "timeout" not in entry["init_params"]
+    }
+    try:
+        for name, entry in entries.items():
+            StrategyRegistry[name] = {**entry, "init_params": {**entry["init_params"], "timeout": timeout}}
+        yield
+    finally:
+        StrategyRegistry.update(entries)
+
+
+def callbacks(
+    trainer_config: dict[str, Any],
+    subcommand: str,
+    run: Run,
+    monitor: str | None,
+    ema: Any = None,
+    trackers: list[Any] | None = None,
+) -> dict[str, Any]:
+    """The ``callbacks`` argument: the config's, a quieter progress bar, and for fit what a run needs of its own."""
+    configured = _listed(trainer_config.get("callbacks"))
+    added: list[Callback] = []
+    if trainer_config.get("enable_progress_bar") is not False and not any(
+        isinstance(c, ProgressBar) for c in configured
+    ):
+        # Lightning's default bar redraws after every step, which costs more than a small model's step.
+        added.append(TimedProgressBar(refresh_rate=10))
+    if subcommand == "fit":
+        fsdp.check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
+        monitors = {"checkpoint.monitor": monitor} if monitor else {}
+        for index, callback in enumerate(configured):  # those that stop a run on a missing metric (EarlyStopping)
+            if isinstance(metric := getattr(callback, "monitor", None), str) and getattr(callback, "strict", True):
+                monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
+        tracked = tracking.has_trackers([*(trackers or []), *_listed(trainer_config.get("logger"))])
+        added += [*([MonitorCheck(monitors)] if monitors else []), *([tracking.TrackerRuns()] if tracked else [])]
+        added += [LogsBeforeCheckpoints()]
+        added += ema_callbacks(**vars(ema)) if ema is not None else []
+        # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.
+        preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
+        added += [*preemption, Provenance(), *periodic_checkpoint(run)]
+    return {"callbacks": [*configured, *added]} if added else {}
+
+
+def _listed(value: Any) -> list[Any]:
+    """A config's callbacks or loggers as a list: it may give one, a list, or none."""
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Saves ``<log_dir>/predictions.csv`` (one per rank under DDP) with each sample's dataset index."""
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="epoch")
+
+    def path(self, trainer: Trainer) -> Path:
+        name = "predictions.csv" if trainer.world_size == 1 else f"predictions-rank{trainer.global_rank}.csv"
+        return Path(trainer.log_dir or trainer.default_root_dir) / name
+
+    def write_on_epoch_end(
+        self, trainer: Trainer, pl_module: LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
+    ) -> None:
+        # Lightning nests both per dataloader, except predictions when there is a single dataloader.
+        if predictions and not isinstance(predictions[0], torch.Tensor):
+            predictions = [batch for per_loader in predictions for batch in per_loader]
+        if batch_indices and batch_indices[0] and not isinstance(batch_indices[0][0], int):
+            batch_indices = [indices for per_loader in batch_indices for indices in per_loader]
+        path = self.path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["index", "prediction"])
+            for batch, indices in zip(predictions, batch_indices, strict=True):
+                writer.writerows(zip(indices, batch.tolist(), strict=True))
+
+
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
-    """Library warnings and tips that are nothing for the user to act on, silenced while the command runs: Lightning's
-    suggestions to install its cloud products among them (a run's output is about the run)."""
+    """Library warnings and tips with nothing for the user to do (Lightning's cloud adverts), silenced meanwhile."""
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero.addFilter(advertisement := lambda record: "Tip: For seamless cloud" not in record.getMessage())
     try:
         with warnings.catch_warnings():
-            # Lightning trips over its own deprecation in torch's pytree; torchdata's StatefulDataLoader calls a
-            # torch API that torch deprecated; evaluating a checkpoint logs into a new version folder, and Lightning
-            # warns that the old folder is not reused.
+            # Lightning trips over its own deprecation in torch's pytree, torchdata over torch's; evaluating a
+            # checkpoint logs into a new version folder, and Lightning warns that the old one is not reused.
             for message in (
                 r".*isinstance\(treespec, LeafSpec\)",
                 r"'set_vital' is deprecated",
@@ -462,8 +567,7 @@ def _quiet_libraries() -> Iterator[None]:
 def build_cli(
     args: list[str] | None = None, run: bool = True, cli_class: type[CLI] = CLI, folders: RunFolders | None = None
 ) -> CLI:
-    """The command line as ``python -m <package>`` builds it: any LightningModule and DataModule by class_path;
-    ``folders`` (the command's) holds the run folder it claims and the trainer it builds."""
+    """The command line; ``folders`` (the command's) holds the run folder it claims and the trainer it builds."""
     plain = "; ".join(f"{name}: {c.description}" for name, c in COMMANDS.items() if c.runs is not None)
     return cli_class(
         LightningModule,
@@ -471,11 +575,10 @@ def build_cli(
         subclass_mode_model=True,
         subclass_mode_data=True,
         seed_everything_default=1234,
-        # Random states travel in every checkpoint so that a resumed run continues exactly.
-        trainer_defaults={"callbacks": [RNGStateCheckpoint()]},
-        # A restart of the same run keeps its config.yaml instead of refusing to start.
-        save_config_callback=RunConfigCallback,
+        trainer_defaults={"callbacks": [RNGStateCheckpoint()]},  # random states travel in every checkpoint
+        save_config_callback=RunConfigCallback,  # a restart of the same run keeps its config.yaml
         trainer_class=DescribedTrainer,
+        parser_class=ArgumentParser,
         parser_kwargs={"prog": PROGRAM, "description": f"Also: {plain}. Each subcommand has its own --help."},
         args=args,
         run=run,
@@ -484,8 +587,8 @@ def build_cli(
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``python -m <package>`` and of the console script of the same name. Every failure is reported
-    here: one ``error:`` line and its exit code (``blame.verdict``), or the user's exception with its traceback."""
+    """``python -m <package>``: every failure is reported here, as one ``error:`` line and its exit code
+    (``blame.verdict``), or as the user's exception with its traceback."""
     argv = sys.argv[1:] if args is None else list(args)
     handlers = signal_handlers()
     folders = RunFolders()
@@ -504,16 +607,14 @@ def main(args: list[str] | None = None) -> None:
     finally:
         folders.release()
         if args is not None:
-            # Called from Python, which goes on. Run as the program (argv), the process ends with the command: the
-            # run's handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.
+            # Called from Python, which goes on; a program keeps them, to report a signal during its shutdown.
             restore_signal_handlers(handlers)
     if own is not None:
         raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 
 
 def _report(err: Exception, folders: RunFolders) -> BaseException:
-    """A mistake (2), the disk (3) or a dead rank: its line, and the process ends with its exit code. Else the line
-    naming the user's function that raised, and the exception to raise with its traceback."""
+    """Print the line of a mistake (2), the disk (3) or a dead rank and exit; else the exception to raise."""
     found = blame.verdict(err, dead=lambda e: _dead_rank(e, folders.trainer))
     if found is None:
         if (line := blame.user_code_line(err)) is not None:
@@ -521,16 +622,15 @@ def _report(err: Exception, folders: RunFolders) -> BaseException:
         return blame.users_exception(err)
     code, line = found
     if code in (2, 3):
-        folders.discard_unstarted()  # a folder this command created is removed again, unless training had started
-    if full_traceback():
+        folders.discard_unstarted()  # a folder this command created goes again, unless training had started
+    if errors.full_traceback():
         traceback.print_exception(err)
     print(f"error: {line}", file=sys.stderr)
     sys.exit(code)
 
 
 def _dead_rank(err: BaseException, trainer: Trainer | None) -> tuple[int, str] | None:
-    """The exit code and the line for the rank of the job whose death made this process fail with ``err``."""
-    dead = dead_rank(err, trainer)
-    if dead is None:
+    """The exit code and the line for the rank whose death made this process fail with ``err``."""
+    if (dead := dead_rank(err, trainer)) is None:
         return None
-    return dead.exit_code, f"{dead.line()} ({TRACEBACK_VARIABLE}=1 shows this rank's traceback)"
+    return dead.exit_code, f"{dead.line()} ({errors.TRACEBACK_VARIABLE}=1 shows this rank's traceback)"

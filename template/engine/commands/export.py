@@ -1,7 +1,5 @@
-"""``python -m template export CKPT``: the network inside a Lightning checkpoint as a plain ``state_dict``, or with
-``--format onnx`` as an ONNX graph checked in ONNX Runtime. ``load_weights`` loads that, a Lightning checkpoint, or
-a plain-PyTorch one saved from ``DataParallel``/``DistributedDataParallel`` or ``torch.compile`` into a bare module.
-"""
+"""``python -m template export CKPT``: a checkpoint's network as a plain ``state_dict``, or as an ONNX graph checked in
+ONNX Runtime. ``load_weights`` loads that, a Lightning checkpoint, or a DP/DDP/compiled one into a bare module."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -29,17 +27,16 @@ from template.engine.store import atomic_torch_save
 
 # Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
 DEFAULT_PREFIX = "net."
-_WRAPPER_PREFIX = "module."  # DataParallel and DistributedDataParallel
-_COMPILED_SEGMENT = "_orig_mod."  # torch.compile, at the top or around a compiled submodule
+# DataParallel's and DistributedDataParallel's "module.", torch.compile's "_orig_mod." (also around a submodule).
+_WRAPPERS = re.compile(r"^(?:(?:module|_orig_mod)\.)+|(?<=\.)_orig_mod\.")
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model")
 # ONNX Runtime's output must match PyTorch's within |ort - torch| <= ATOL + RTOL * |torch| (fp32).
 ATOL, RTOL = 1e-4, 1e-3
 
 
 def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX, source: str = "the file") -> dict[str, Tensor]:
-    """The bare network's weights inside ``checkpoint``, whichever way it was saved."""
+    """The bare network's weights inside ``checkpoint``, whichever way it was saved (Lightning's: the whole module)."""
     if isinstance(checkpoint, Mapping) and "pytorch-lightning_version" in checkpoint:
-        # A Lightning checkpoint holds the whole LightningModule; keep the network's part.
         state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
         if not state:
             found = sorted({k.split(".")[0] for k in checkpoint["state_dict"]})
@@ -56,10 +53,8 @@ def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX, source: st
 
 
 def clean_key(key: str) -> str:
-    """Drop the names that DataParallel, DistributedDataParallel and torch.compile add around a module's weights."""
-    while key.startswith(_WRAPPER_PREFIX) or key.startswith(_COMPILED_SEGMENT):
-        key = key.removeprefix(_WRAPPER_PREFIX).removeprefix(_COMPILED_SEGMENT)
-    return key.replace(f".{_COMPILED_SEGMENT}", ".")
+    """``key`` without the names that DataParallel, DistributedDataParallel and torch.compile add around it."""
+    return _WRAPPERS.sub("", key)
 
 
 def load_weights(
@@ -76,7 +71,7 @@ def load_weights(
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse raising what it refuses as a ConfigError (``cli.main`` reports it in one line), not printing usage."""
+    """argparse raising what it refuses as a ConfigError (one line), instead of printing its usage."""
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
@@ -112,11 +107,17 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         raise ConfigError(f"'{checkpoint_path}' does not fit the config's model: {one_line(str(err))[:300]}") from None
     target = (cli.model if module else cli.model.get_submodule(prefix.rstrip("."))).cpu().eval()
     x = _example_input(cli.datamodule).cpu()
-    try:
-        with _quiet():
+    logger, quiet = logging.getLogger("torch"), io.StringIO()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:  # torch.export prints its graphs when it fails, and warns of torchvision's operators
+        with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            warnings.simplefilter("ignore")
             program = torch.onnx.export(target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"])
     except torch.onnx.OnnxExporterError as err:
         raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
+    finally:
+        logger.setLevel(level)
     temporary = output.with_name(f".{output.name}.export")
     with disk_errors(output, kept="nothing was written at --output", option="--output"):
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -134,20 +135,6 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
     return f"checked in ONNX Runtime on batches of {len(x)} and 1: |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """torch.export's output silenced: it prints its graphs when it fails, and warns of torchvision's operators."""
-    logger, quiet = logging.getLogger("torch"), io.StringIO()
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
-
-
 def _example_input(datamodule: LightningDataModule) -> Tensor:
     """The input of one batch of the DataModule's val (else predict) loader: the batch, or its first element."""
     for stage, loader in (("validate", "val_dataloader"), ("predict", "predict_dataloader")):
@@ -160,7 +147,7 @@ def _example_input(datamodule: LightningDataModule) -> Tensor:
 
 
 def _construct(err: BaseException) -> str:
-    """The operator or construct torch.onnx's exporter stopped at, and where in the user's code, in one line."""
+    """The construct torch.onnx's exporter stopped at, and where in the user's code, in one line."""
     while err.__cause__ is not None and "raised this error" not in str(err):
         err = err.__cause__
     where = re.search(r'raised this error:\s*File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)', str(err))

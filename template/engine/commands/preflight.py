@@ -1,10 +1,9 @@
-"""Mistakes found before a run writes anything: in the config files, each named by its file; then the Trainer's
-counts Lightning leaves unchecked, and the optimizers and schedulers built over the module's parameters as
-``configure_optimizers`` will build them (``cli.py`` claims the run's folder after these).
-"""
+"""Mistakes found before a run writes anything: in the config files (each named by its file), the Trainer's counts
+Lightning leaves unchecked, and the optimizers built over the module's parameters as ``configure_optimizers`` will."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +16,9 @@ from lightning.pytorch.cli import instantiate_class
 from torch import nn
 
 from template.engine.errors import ConfigError, blame, one_line
-from template.engine.strategies import FSDP2Strategy
 
+CONFIG_OPTIONS = ("--config", "-c")
+SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 # Trainer options Lightning takes without a check and fails on deep inside fit (ZeroDivisionError, a silent no-op).
 TRAINER_COUNTS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "accumulate_grad_batches": (lambda v: v >= 1, "a number of batches >= 1, e.g. 4"),
@@ -43,22 +43,19 @@ def check_trainer_counts(config: Any) -> None:
             raise ConfigError(f"trainer.{name}={value!r} is out of range; use {expected}")
 
 
-def check_strategy(trainer: Any, model: LightningModule) -> None:
-    """The strategy's demands on the module (fsdp: its layer names, no lazy layers), before processes start."""
-    if isinstance(trainer.strategy, FSDP2Strategy):
-        trainer.strategy.check_module(model)
-
-
 def build_optimizers(config: Any, model: LightningModule) -> None:
-    """Build every optimizer and learning-rate scheduler the config names (the module's own arguments and
-    LightningCLI's ``optimizer``/``lr_scheduler``) over the module's parameters, then drop them: a value one refuses
-    (a negative learning rate) or a module without parameters is one line here, not a traceback from inside fit."""
+    """Build every optimizer and scheduler the config names over the module's parameters, then drop them: a value one
+    refuses (a negative learning rate) or a module without parameters is one line here, not a traceback in fit."""
     optimizers, schedulers = optimizer_options(config)
     if not optimizers and not schedulers:
         return
     parameters = [p for p in model.parameters() if p.requires_grad]
     if not parameters:
-        networks = [f"{key}={path}" for key, path in _class_paths(config).items() if _is_network(path)]
+        networks = [
+            f"{option}={path}"
+            for option, (path, cls) in _classes(config).items()
+            if issubclass(cls, nn.Module) and not issubclass(cls, LightningModule)
+        ]
         named = f" ({', '.join(networks)})" if networks else ""
         raise ConfigError(
             f"{type(model).__name__} has no trainable parameters for {', '.join(optimizers or schedulers)} to "
@@ -73,7 +70,7 @@ def build_optimizers(config: Any, model: LightningModule) -> None:
 
 def _build(config: Any, option: str, over: Any) -> Any:
     """The class of ``option`` built over ``over`` (parameters, or an optimizer); a value it refuses, one line. A
-    scheduler computes one step too, as some values fail only then (StepLR's step_size=0)."""
+    scheduler steps once too: some values fail only then (StepLR's step_size=0)."""
     init_args = config.get(f"{option}.init_args")
     init = {"class_path": config.get(f"{option}.class_path"), "init_args": init_args.as_dict() if init_args else {}}
     try:
@@ -90,38 +87,22 @@ def _build(config: Any, option: str, over: Any) -> Any:
         raise refused from None
 
 
-def _class_paths(config: Any) -> dict[str, str]:
-    """Every ``class_path`` in the config, by the option that holds it."""
-    return {
-        k.removesuffix(".class_path"): v for k, v in config.items() if k.endswith(".class_path") and isinstance(v, str)
-    }
+def _classes(config: Any) -> dict[str, tuple[str, type]]:
+    """Every class the config names by ``class_path``, with its path, by the option naming it."""
+    paths = {k.removesuffix(".class_path"): v for k, v in config.items() if k.endswith(".class_path")}
+    return {option: (path, cls) for option, path in paths.items() if isinstance(cls := blame.located(path), type)}
 
 
 def optimizer_options(config: Any) -> tuple[list[str], list[str]]:
     """The options of the config naming an optimizer class, and those naming a learning-rate scheduler."""
-    optimizers, schedulers = [], []
-    for option, path in _class_paths(config).items():
-        cls = blame.located(path)
-        if not isinstance(cls, type):
-            continue
-        if issubclass(cls, torch.optim.Optimizer):
-            optimizers.append(option)
-        elif issubclass(cls, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
-            schedulers.append(option)
-    return optimizers, schedulers
-
-
-def _is_network(path: str) -> bool:
-    cls = blame.located(path)
-    return isinstance(cls, type) and issubclass(cls, nn.Module) and not issubclass(cls, LightningModule)
-
-
-CONFIG_OPTIONS = ("--config", "-c")
+    classes = _classes(config)
+    optimizers = [option for option, (_, cls) in classes.items() if issubclass(cls, torch.optim.Optimizer)]
+    return optimizers, [option for option, (_, cls) in classes.items() if issubclass(cls, SCHEDULERS)]
 
 
 def split_options(argv: list[str], *options: str) -> tuple[list[tuple[str, str]], list[str]]:
-    """The arguments that set ``options``, as (option, value) in order (``--x v`` or ``--x=v``; an option ending in
-    "." stands for every option under it: ``--sweep.`` for ``--sweep.n_trials 3``), and the other arguments."""
+    """The arguments that set ``options`` as (option, value) in order (``--x v`` or ``--x=v``; ``--sweep.`` stands for
+    every option under it), and the other arguments."""
     taken, rest = [], []
     under = tuple(option for option in options if option.endswith("."))
     args = iter(argv)
@@ -137,24 +118,19 @@ def split_options(argv: list[str], *options: str) -> tuple[list[tuple[str, str]]
 
 
 def split(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The values given to ``--config`` (``--config x``, ``-c x``, ``--config=x``) in order, and the other arguments."""
+    """The values given to ``--config`` (or ``-c``) in order, and the other arguments."""
     taken, rest = split_options(argv, *CONFIG_OPTIONS)
     return [value for _, value in taken], rest
 
 
 def read(value: str) -> dict[str, Any]:
-    """The options a ``--config`` value holds: a file's, or YAML text (a sweep hands each trial's config to the fit
-    parser as text; jsonargparse reads either). A ConfigError names the file that is missing, is not valid YAML, is
-    empty or holds no mapping of options."""
+    """The options a ``--config`` value holds: a file's, or YAML text (as jsonargparse reads it). A ConfigError names
+    the file that is missing, is not valid YAML, is empty or holds no mapping of options."""
     path = Path(value)
     if not path.is_file():
-        # jsonargparse takes a value that is no file as YAML text; a path that is not there reads as a plain string.
-        try:
-            content = yaml.safe_load(value)
-        except yaml.YAMLError:
-            content = None
-        if isinstance(content, dict):
-            return content
+        with contextlib.suppress(yaml.YAMLError):  # a path that is not there reads as a plain string
+            if isinstance(content := yaml.safe_load(value), dict):
+                return content
         raise ConfigError(f"config file {value} does not exist; check the path given to --config")
     try:
         content = yaml.safe_load(path.read_text())
@@ -178,9 +154,8 @@ def read(value: str) -> dict[str, Any]:
 
 
 def check_sections(files: dict[str, dict[str, Any]], sections: Any, config: Any) -> None:
-    """A ConfigError for a config file whose section (``sections``: the parser's groups) is neither a mapping of
-    options nor a class path where the option takes a class: jsonargparse takes ``trainer:`` written as a list as
-    "no trainer options" and silently resets every setting an earlier file made."""
+    """A ConfigError for a config file's section (``sections``: the parser's groups) that is neither options nor a
+    class path: jsonargparse takes a list as "no options" and silently drops every setting an earlier file made."""
     for path, content in files.items():
         for key, value in content.items():
             if key not in sections or value is None or isinstance(value, dict):

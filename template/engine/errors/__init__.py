@@ -1,7 +1,5 @@
-"""User mistakes as one line: ConfigError (exit code 2) and DiskError (3), and library messages (jsonargparse,
-Lightning) made into a line naming the bad value and the fix. ``blame.verdict`` is the one way from an exception to
-an ``error:`` line. Uses nothing of the engine.
-"""
+"""User mistakes as one line: ConfigError (exit code 2), DiskError (3), and library messages made into a line naming
+the bad value and the fix. ``blame.verdict`` is the one way from an exception to an ``error:`` line."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ def config_error_in(err: BaseException) -> ConfigError | None:
 
 
 def parser_error(err: BaseException, prefix: str = "") -> ConfigError:
-    """The one-line ConfigError for what a command-line parser raised (jsonargparse's or argparse's ArgumentError,
-    or a ConfigError from the code it ran), ``prefix`` before it."""
+    """The one-line ConfigError for a parser's refusal, or for a ConfigError of the code it ran."""
     return ConfigError(f"{prefix}{config_error_in(err) or explain_parser_error(str(err))}")
 
 
@@ -63,18 +60,18 @@ def explain_parser_error(message: str) -> str:
         return f"unknown option '{m.group(1) or m.group(2)}'; check its spelling and nesting, or {help_hint}"
     if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
         return f"unknown argument(s) {m.group(1)}; {help_hint}"
-    # A value outside the range of an option's restricted type (PositiveFloat, ...), also an init_args one.
+    # A value outside an option's restricted type (PositiveFloat...), also an init_args one.
     if m := re.search(
         r'Parser key "([^"]+)":(?:.*?class_path.*?Parser key "([^"]+)":)? Not of type \S+: (.*?) does not conform', text
     ):
         key = f"{m.group(1)}.init_args.{m.group(2)}" if m.group(2) else m.group(1)
         return f"invalid value {m.group(3)!r} for '{key}'; {_restriction(text)}"
-    # A bad init_args value is reported by jsonargparse as a problem with the whole class_path.
+    # jsonargparse reports a bad init_args value as a problem with the whole class_path.
     if m := re.search(
         r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text
     ):
         return f"invalid value {m.group(4)!r} for '{m.group(1)}.init_args.{m.group(2)}'; {_first_reason(m.group(3))}"
-    # A class nested in another (model.net) fails inside its parent's class_path: report the innermost one.
+    # A class nested in another (model.net) fails inside its parent's class_path: the innermost is meant.
     if problems := list(re.finditer(r"Problem with given class_path (\S+): ", text)):
         inner = problems[-1]
         key = ".".join(re.findall(r'Parser key "([^"]+)":', text[: inner.start()]))
@@ -85,7 +82,7 @@ def explain_parser_error(message: str) -> str:
             f"class_path {inner.group(1)} for '{key}' cannot be used ({reason}); check its spelling "
             "and that its module is importable (on PYTHONPATH)"
         )
-    # An option of a class given by its registry name (`strategy: fsdp` with `--trainer.strategy.shard_layers=...`).
+    # An option of a class given by its registry name (`strategy: fsdp` and `--trainer.strategy.shard_layers=...`).
     if m := re.search(r'Parser key "([^"]+)":.*?NestedArg\(key=\'([^\']+)\'', text):
         option, key = m.groups()
         fsdp = f"{__package__.split('.')[0]}.engine.strategies.FSDP2Strategy"
@@ -94,7 +91,7 @@ def explain_parser_error(message: str) -> str:
             f"options: --{option}=<class path> --{option}.{key}=... (for fsdp: {fsdp}; in YAML class_path and "
             "init_args)"
         )
-    # jsonargparse words the rejected value "Given value type: T, value: V" or "... Given value: V".
+    # The rejected value, worded "Given value type: T, value: V" or "... Given value: V".
     if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$', text):
         return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
     if m := re.search(r'Parser key "([^"]+)":\s*(.*)$', text):
@@ -125,8 +122,7 @@ def _restriction(details: str) -> str | None:
 
 
 def explain_trainer_error(text: str, devices: Any = None) -> str:
-    """Lightning's complaint about the Trainer settings (``devices``: trainer.devices, where known); GPU indices are
-    explained against the visible GPUs."""
+    """Lightning's complaint about the Trainer settings (``devices``: trainer.devices, where known)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -152,8 +148,7 @@ def explain_trainer_error(text: str, devices: Any = None) -> str:
 
 
 ROOT_OPTION = "--trainer.default_root_dir"
-# The failures a user fixes on the filesystem rather than in the code or the config, and how; ENOTDIR and EEXIST
-# (a file where a folder should be) name the file.
+# The failures a user fixes on the filesystem, and how; ENOTDIR and EEXIST (a file where a folder should be) name it.
 _FULL = "free space there or set {option} to another disk, then run the same command again"
 _NOT_YOURS = "this user may not write there; set {option} to a folder you can write to, or fix its permissions"
 _FIXES = {
@@ -172,13 +167,15 @@ _FIXES = {
 
 
 def disk_error(err: OSError, path: str | os.PathLike, kept: str, option: str = ROOT_OPTION) -> DiskError | None:
-    """A one-line DiskError for ``err`` while writing ``path``, naming a fix that fits it and the ``option`` that
-    chose the place (``kept``: what is still intact); None for an error that is not the disk's."""
+    """A one-line DiskError for ``err`` while writing ``path``, naming the fix and the ``option`` that chose the place
+    (``kept``: what is still intact); None for an error that is not the disk's."""
     if err.errno in (errno.ENOTDIR, errno.EEXIST):
-        blocking = _file_on_the_way(err.filename if isinstance(err.filename, str) else path)
+        absolute = Path(os.path.abspath(err.filename if isinstance(err.filename, str) else path))
+        parts = reversed([absolute, *absolute.parents])
+        blocking = next((str(part) for part in parts if os.path.lexists(part) and not part.is_dir()), None)
         if err.errno == errno.EEXIST and blocking is None:
             return None  # a folder that exists already: the caller's mistake, not the disk's
-        # mkdir(exist_ok=True) on a file says "File exists": the user's problem is a file where a folder should be.
+        # mkdir(exist_ok=True) on a file says "File exists": a file where a folder should be.
         err = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), err.filename)
         where = f"'{blocking}' is a file, not a folder" if blocking else "a part of the path is a file, not a folder"
         fix = f"{where}; move it away or choose another {option}"
@@ -190,18 +187,9 @@ def disk_error(err: OSError, path: str | os.PathLike, kept: str, option: str = R
     return DiskError(f"cannot write {os.path.normpath(path)}: {reason} [Errno {err.errno}]; {fix} ({kept})")
 
 
-def _file_on_the_way(path: str) -> str | None:
-    """The first existing part of ``path`` that is not a folder (what ENOTDIR is about), or None."""
-    absolute = Path(os.path.abspath(path))
-    for part in reversed([absolute, *absolute.parents]):
-        if os.path.lexists(part) and not part.is_dir():
-            return str(part)
-    return None
-
-
 def disk_error_in(err: BaseException) -> DiskError | None:
-    """The DiskError in ``err``'s chain, or one for an OSError of the disk there. A missing file counts only where
-    its folder is missing too (a folder vanished): a missing input file is the caller's to report."""
+    """The DiskError in ``err``'s chain, or one for an OSError of the disk there; a missing file only where its folder
+    is missing too (a missing input file is the caller's to report)."""
     for cause in chain(err):
         if isinstance(cause, DiskError):
             return cause

@@ -1,18 +1,14 @@
-"""Whose an exception is, and so how ``main`` reports it (``verdict``): a mistake in the configuration or the disk's
-(one line), or the user's own code (their traceback, after a line naming their function).
-
-A frame is the user's when its file is outside the Python installation and its packages, and outside this engine:
-the model, data and networks at the top of the package, or any module a config names by ``class_path``.
-"""
+"""Whose an exception is, and so how ``main`` reports it (``verdict``): a mistake of the configuration or the disk
+(one line), or the user's code (their traceback): a frame outside Python, its packages and this engine."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import os
 import pkgutil
 import re
 import sysconfig
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +27,7 @@ _INSTALLED = {
     for key in ("stdlib", "platstdlib", "purelib", "platlib")
     if (p := sysconfig.get_path(key))
 }
-# The exceptions a library raises when a value it was given is out of its range, of the wrong kind, or needs a
-# package that is not installed. Anything else (a RuntimeError from a kernel, a KeyError...) is not blamed on a value.
+# What a library raises for a value out of range, of the wrong kind, or needing a package that is not installed.
 REFUSALS = (ValueError, TypeError, ImportError, AssertionError, ArithmeticError, MisconfigurationException)
 
 
@@ -59,18 +54,13 @@ def verdict(
 
 
 def root_cause(err: BaseException) -> BaseException:
-    """The first exception of ``err``'s chain: what went wrong before libraries wrapped it in their own messages."""
+    """The first exception of ``err``'s chain, before libraries wrapped it in their own messages."""
     *_, first = chain(err)
     return first
 
 
 def _frames(err: BaseException) -> list[FrameType]:
-    """The frames ``err`` passed through, outermost first."""
-    frames, tb = [], err.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    return frames
+    return [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
 
 
 def _users(frame: FrameType) -> bool:
@@ -82,22 +72,19 @@ def _users(frame: FrameType) -> bool:
 
 def _user_frame(err: BaseException) -> str | None:
     """``Class.function (file:line)`` of the innermost frame of the user's code in ``err``'s root cause, or None."""
-    tb, found = root_cause(err).__traceback__, None
-    while tb is not None:
-        if _users(tb.tb_frame):
-            code, filename = tb.tb_frame.f_code, tb.tb_frame.f_code.co_filename
-            with contextlib.suppress(ValueError):  # another drive on Windows
-                relative = os.path.relpath(filename)
-                filename = filename if relative.startswith("..") else relative
-            found = f"{getattr(code, 'co_qualname', code.co_name)} ({filename}:{tb.tb_lineno})"
-        tb = tb.tb_next
-    return found
+    found = [(frame.f_code, line) for frame, line in traceback.walk_tb(root_cause(err).__traceback__) if _users(frame)]
+    if not found:
+        return None
+    code, line = found[-1]
+    relative = os.path.relpath(code.co_filename)
+    filename = code.co_filename if relative.startswith("..") else relative
+    return f"{getattr(code, 'co_qualname', code.co_name)} ({filename}:{line})"
 
 
 def refused_by(err: BaseException, package: str | None = None, building: bool = False) -> str | None:
     """The library class (or function) that refused a value, for an exception a library (``package`` if given)
-    raised; None otherwise. ``building``: ``err`` came from building the config's objects, so any exception of a
-    library that no code of the user's called (a RuntimeError for a negative size too) is the values' fault."""
+    raised, else None. ``building``: raised while the config's objects were built, where any library's exception that
+    no code of the user's called (a RuntimeError for a negative size too) is the values' fault."""
     cause = root_cause(err)
     frames = _frames(cause)
     if not isinstance(cause, REFUSALS) and not (building and not any(map(_users, frames))):
@@ -107,7 +94,7 @@ def refused_by(err: BaseException, package: str | None = None, building: bool = 
         return None
     if package is not None and not frames[-1].f_globals.get("__name__", "").startswith(f"{package}."):
         return None
-    # The outermost library frame below the user's and the engine's code names the class the value was given to.
+    # The outermost library frame below the user's and the engine's code names the class given the value.
     ours = [i for i, frame in enumerate(frames) if _users(frame) or frame.f_code.co_filename.startswith(_ENGINE)]
     for frame in frames[ours[-1] + 1 if ours else 0 :]:
         if frame.f_code.co_name == "__init__" and (owner := frame.f_locals.get("self")) is not None:
@@ -117,8 +104,8 @@ def refused_by(err: BaseException, package: str | None = None, building: bool = 
 
 
 def refusal(err: BaseException, key: str, values: dict[str, Any]) -> ConfigError | None:
-    """A one-line ConfigError for a value a library refused while ``key`` (``model``, ``trainer``...) was built from
-    the options ``values`` (dotted name -> value); None when ``err`` is not a library's refusal."""
+    """A one-line ConfigError for a value a library refused while ``key`` was built from the options ``values``
+    (dotted name -> value); None when ``err`` is not a library's refusal."""
     library = refused_by(err, building=True)
     if library is None:
         return None
@@ -143,10 +130,9 @@ def _given(values: dict[str, Any]) -> str:
 
 
 def _named_in(reason: str, values: dict[str, Any]) -> list[str]:
-    """The options whose value the library's message quotes, read from it because nothing else says which argument
-    a constructor refused. Among several, those whose name it mentions too; none when it gives a value to a name
-    that is not among them (``save_top_k=-2`` quoting ``>= -1``: a coincidence). Else the one list option with an
-    element it quotes (``hidden_sizes=[-3]`` for "negative dimension -3")."""
+    """The options whose value the library's message quotes (nothing else says which argument it refused). Among
+    several, those it names too; none when it names another (``save_top_k=-2`` quoting ``>= -1``). Else the one list
+    option with an element it quotes (``hidden_sizes=[-3]`` for "negative dimension -3")."""
     words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", reason)}  # "-2." at a sentence's end is -2
 
     def quoted(value: Any) -> bool:
@@ -163,7 +149,7 @@ def _named_in(reason: str, values: dict[str, Any]) -> list[str]:
 
 
 def install_hint(err: ImportError) -> str:
-    """How to install what ``err`` misses: this project's extra that provides it, else the package itself."""
+    """How to install what ``err`` misses: the project's extra that provides it, else the package itself."""
     text = str(err)
     match = re.search(r"Requirement '([A-Za-z0-9_.-]+)", text) or re.search(r"No module named '([\w.]+)'", text)
     missing = (match.group(1) if match else getattr(err, "name", None) or "").split(".")[0].lower()
@@ -182,13 +168,12 @@ def located(path: str) -> Any:
     """The object a class path (``package.module.Name``) names; None when it does not import."""
     try:
         return pkgutil.resolve_name(path)
-    except Exception:  # not a name, a missing module, or a module that fails to import: the parse reports it
+    except Exception:  # not a name, or a module that fails to import: the parse reports it
         return None
 
 
 def flat(config: Any, prefix: str = "") -> dict[str, Any]:
-    """A parsed config's options as ``prefix`` + ``a.b`` -> value; the classes in a list (``trainer.callbacks``) as
-    ``trainer.callbacks[0].init_args.a`` (jsonargparse's ``items()`` flattens the rest)."""
+    """A parsed config's options as ``prefix`` + ``a.b`` -> value, a list's classes as ``trainer.callbacks[0].a``."""
     found: dict[str, Any] = {}
     for key, value in config.items() if config is not None else ():
         if isinstance(value, list) and value and all(hasattr(item, "items") for item in value):
@@ -207,9 +192,8 @@ def _plain(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Build:
-    """A class the parser was building when it raised: the option naming it, its class path (None for a section of
-    its own such as ``checkpoint``), and the plain values it was given as ``option.init_args.name`` -> value
-    (``option.name`` for a section), the ones jsonargparse linked in (``input_shape`` from the data) included."""
+    """A class the parser was building: the option naming it, its class path (None for a section such as
+    ``checkpoint``), and the plain values it was given (linked ones included) as ``option.init_args.name`` -> value."""
 
     option: str
     class_path: str | None
@@ -217,9 +201,8 @@ class Build:
 
 
 class Instantiator:
-    """The parser's instantiator (``add_instantiator``) for the classes of ``config``, built as ``instantiator``
-    builds them (None: the class called with its arguments). ``built`` finds its call in a traceback. A class, not a
-    closure: ``ddp_spawn`` pickles the model, whose optimizer factory holds the parser's instantiators."""
+    """The parser's instantiator for the classes of ``config``, built by ``instantiator`` (None: the class itself);
+    ``built`` finds its call in a traceback. A class, not a closure: ``ddp_spawn`` pickles it with the model."""
 
     def __init__(self, config: Any, sections: dict[str, type], instantiator: Callable[..., Any] | None = None) -> None:
         self.config, self.sections, self.instantiator = config, sections, instantiator
@@ -229,14 +212,12 @@ class Instantiator:
     ) -> Any:
         if self.instantiator is None:
             return class_type(*args, **kwargs)
-        # The wrapped ones are Lightning's model and data instantiators, which take the links jsonargparse applied.
-        links = applied_instantiation_links or {}
+        links = applied_instantiation_links or {}  # Lightning's model and data instantiators take them
         return self.instantiator(class_type, *args, applied_instantiation_links=links, **kwargs)
 
     def build(self, cls: type, kwargs: dict[str, Any]) -> Build | None:
-        """The option that builds ``cls`` from ``kwargs``: jsonargparse hands an instantiator the class, not the
-        option's key. It is the option whose ``class_path`` imports as that very class, or the section of its own
-        (``sections``: option -> class); among several (two EarlyStopping callbacks), the one with those values."""
+        """The option building ``cls`` from ``kwargs`` (jsonargparse names the class, not the option): the one whose
+        class_path imports as ``cls``, or its section; among several, the one with those values."""
         options = flat(self.config)
         named = [
             (key.removesuffix(".class_path"), path, f"{key.removesuffix('class_path')}init_args.")
@@ -251,9 +232,8 @@ class Instantiator:
 
 
 def built(err: BaseException, by_parser: bool = False) -> Build | None:
-    """What was being built when ``err``, or an exception it wraps, was raised: the innermost ``Instantiator`` call
-    in the traceback nearest the root cause. ``by_parser``: not a call the user's code made (an optimizer factory in
-    ``configure_optimizers``). None when no class of the config was being built."""
+    """What was being built when ``err`` (or one it wraps) was raised: the innermost ``Instantiator`` call nearest the
+    root cause, else None. ``by_parser``: not a call the user's code made (an optimizer factory)."""
     for cause in reversed(list(chain(err))):
         frames = _frames(cause)
         calls = [i for i, frame in enumerate(frames) if frame.f_code is Instantiator.__call__.__code__]
@@ -266,16 +246,15 @@ def built(err: BaseException, by_parser: bool = False) -> Build | None:
 
 
 def users_exception(err: BaseException) -> BaseException:
-    """For an exception the parser wrapped while it built a class of the user's, the user's own (their traceback,
-    without jsonargparse's "Does not validate against any of the Union subtypes" around it); else ``err``."""
+    """For an exception the parser wrapped while it built a class of the user's, the user's own; else ``err``."""
     if built(err) is not None:
         return next((cause for cause in chain(err) if any(map(_users, _frames(cause)))), err)
     return err
 
 
 def user_code_line(err: BaseException) -> str | None:
-    """The line printed before the traceback of an exception that passed through the user's code, naming their
-    function and, while the parser built a class, the values it was given; None otherwise."""
+    """The line before the traceback of an exception that passed through the user's code, naming their function
+    and the values of the class being built; None otherwise."""
     if (caller := _user_frame(err)) is None:
         return None
     cause, build, built_from = root_cause(err), built(err), ""
