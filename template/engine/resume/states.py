@@ -37,11 +37,8 @@ def exact_resume_point(trainer: Trainer) -> bool:
 
 
 class RNGStateCheckpoint(Callback):
-    """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank, and restores them on resume.
-
-    Also puts a map-style training DataLoader back at its place in an epoch: Lightning trains on a resumable copy of
-    it (``resume/loader.py``). Checkpoints hold only tensors and plain values: they load with ``weights_only=True``.
-    """
+    """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank (tensors and plain values: loaded
+    weights-only) and restores them on resume; puts a map-style training DataLoader back at its place in an epoch."""
 
     announcement = Mechanism(
         "random states",
@@ -58,10 +55,6 @@ class RNGStateCheckpoint(Callback):
         # Per training loader: the random states its current epoch was drawn from, from the checkpoint.
         self._pending_loaders: list[dict[str, Any] | None] = []
         self._patched: Any = None
-
-    @property
-    def state_key(self) -> str:
-        return "RNGStateCheckpoint"
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -126,17 +119,17 @@ class RNGStateCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         """Called on every rank while a checkpoint is assembled; rank 0's copy (holding all ranks) is written."""
         loaders = self._train_loaders()
-        state = _collect(loaders, process_devices(self._trainer.strategy) if self._trainer is not None else [])
-        state["loaders"] = []
-        for loader in loaders:
-            sampler = wrapped(loader)
-            recorded = sampler is not None and sampler.at_iterator is not None and sampler.at_order is not None
-            state["loaders"].append({"iterator": sampler.at_iterator, "order": sampler.at_order} if recorded else None)
+        state = global_states()
+        # The states of the GPUs this process trains on, in its order (root first): a continuation puts them back on
+        # its own GPUs in that order, whatever CUDA numbers them there. A CPU process asks CUDA nothing.
+        devices = process_devices(self._trainer.strategy)
+        state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
+        state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
+        state["loaders"] = [_recorded(wrapped(loader)) for loader in loaders]
+        ranks: list[Any] = [state]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            ranks: list[Any] = [None] * dist.get_world_size()
+            ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, state)
-        else:
-            ranks = [state]
         return {"world_size": len(ranks), "ranks": ranks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -150,8 +143,7 @@ class RNGStateCheckpoint(Callback):
             )
             return
         state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
-        devices = process_devices(self._trainer.strategy) if self._trainer is not None else []
-        state = {**state, "cuda": _on_devices(state.get("cuda"), devices)}
+        state = {**state, "cuda": _on_devices(state.get("cuda"), process_devices(self._trainer.strategy))}
         _restore(state)
         self._restored = state
         self._pending_samplers = state["samplers"]
@@ -215,8 +207,6 @@ class RNGStateCheckpoint(Callback):
             )
 
     def _train_loaders(self) -> list[DataLoader]:
-        if self._trainer is None:
-            return []
         loaders: list[DataLoader] = []
         apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
         return loaders
@@ -239,13 +229,11 @@ def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | Non
     return generators
 
 
-def _collect(loaders: list[DataLoader], devices: list[torch.device]) -> dict[str, Any]:
-    state = global_states()
-    # The random state of each GPU this process trains on, in its order (root first): a continuation puts them back
-    # on its own GPUs in that order, whatever CUDA numbers them there. A CPU process saves none and asks CUDA nothing.
-    state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
-    state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
-    return state
+def _recorded(sampler: Any) -> dict[str, Any] | None:
+    """The random states a resumable copy's current epoch was drawn from; None for another loader."""
+    if sampler is None or sampler.at_iterator is None or sampler.at_order is None:
+        return None
+    return {"iterator": sampler.at_iterator, "order": sampler.at_order}
 
 
 def _on_devices(saved: dict[str, torch.Tensor] | list[torch.Tensor] | None, devices: list[torch.device]) -> dict:
