@@ -7,7 +7,7 @@ import io
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +92,11 @@ def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
     full tensors, optimizer states keyed by parameter name."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    check(path, option="the command")
+    checkpoint = check(path, option="the command")
     buffer = io.BytesIO()
     dcp_to_torch_save(path, buffer)
     buffer.seek(0)
     shards = torch.load(buffer, map_location="cpu", weights_only=True)
-    checkpoint = torch.load(Path(path) / SHARDED_METADATA, map_location="cpu", weights_only=True)
     optimizers = sorted((k for k in shards if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     return {**checkpoint, "state_dict": shards["state_dict"], "optimizer_states": [shards[k] for k in optimizers]}
 
@@ -160,11 +159,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(checkpoint, path)
 
-    def load_checkpoint(
-        self,
-        path: str | os.PathLike,
-        map_location: Callable | None = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+    @override
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Load with ``weights_only=True`` whatever the caller asks: a checkpoint is data, never code to run."""
-        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        return super().load_checkpoint(*args, **{**kwargs, "weights_only": True})

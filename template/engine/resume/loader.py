@@ -26,8 +26,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRan
 
 from template.engine import internals
 
-# Samplers whose order is a function of the recorded states alone; another sampler is replayed the same way, and
-# checked at stop time (``order_reproducible``).
+# Samplers whose order is a function of the recorded states alone; another's is checked at a stop.
 KNOWN_SAMPLERS = (
     SequentialSampler,
     torch.utils.data.RandomSampler,
@@ -113,8 +112,7 @@ class ResumableIndexSampler(Sampler):
     def before_iterator(self, new: bool, persistent: bool = False) -> None:
         """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
         if new and persistent and self._resume is None and self._workers_seed_from is not None:
-            # The seed from the states it was first drawn from; the epoch's order from where training is (put back at
-            # the first item).
+            # The seed from the states it was first drawn from; the order from where training is (see __iter__).
             self._after_seed = capture_states(self.generators, self.epoch_samplers)
             self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
             self._put_back(self.at_iterator)
@@ -126,8 +124,8 @@ class ResumableIndexSampler(Sampler):
             self.at_iterator = capture_states(self.generators, self.epoch_samplers)
 
     def __iter__(self) -> Iterator[Any]:
-        # A generator: the wrapped sampler draws at the same moment as without the wrapper (its first item). A
-        # DataLoader with workers calls this twice while it builds its iterator and pulls from the second only.
+        # A generator, so that the wrapped sampler draws when it would unwrapped (at the first item): a DataLoader with
+        # workers makes two while it builds its iterator and pulls from the second only.
         if self._resume is not None:
             yield from self._replay()
             return
@@ -135,10 +133,9 @@ class ResumableIndexSampler(Sampler):
             self._put_back(self._after_seed)
             self._after_seed = None
         self.at_order = capture_states(self.generators, self.epoch_samplers)
-        first = True
-        for item in self.inner:
-            if first:
-                self.first, first = _plain(item), False
+        for index, item in enumerate(self.inner):
+            if index == 0:
+                self.first = _plain(item)
             yield item
 
     def _replay(self) -> Iterator[Any]:
@@ -237,7 +234,7 @@ def make_resumable(loader: object) -> object:
     batching = loader.batch_sampler is not None
     inner = loader.batch_sampler if batching else loader.sampler
     samplers = [inner, getattr(inner, "sampler", None), loader.sampler]
-    # Each object once, in the order found (by identity).
+    # Each once, in the order found, by identity.
     candidates = [loader.generator, *(getattr(s, "generator", None) for s in samplers)]
     generators = {id(g): g for g in candidates if isinstance(g, torch.Generator)}
     epochs = {id(s): s for s in samplers if callable(getattr(s, "set_epoch", None)) and hasattr(s, "epoch")}

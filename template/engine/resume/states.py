@@ -48,7 +48,6 @@ class RNGStateCheckpoint(Callback):
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
-        self._pending_samplers: list[torch.Tensor | None] | None = None
         self._batches_done: int | None = None
         self._last_batch = False
         self._restored: dict[str, Any] | None = None
@@ -59,9 +58,8 @@ class RNGStateCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
         if stage == "fit" and self._patched is None:
-            # The training loader is replaced by its resumable copy after Lightning inserted its samplers and before
-            # it makes the first iterator (FitLoop.setup_data). No callback hook runs there; the strategy's
-            # process_dataloader does, and the strategy is the user's choice: this instance's is wrapped for the fit.
+            # The training loader becomes its resumable copy after Lightning inserted its samplers and before it makes
+            # the first iterator: no callback hook runs there, the (user's) strategy's process_dataloader does.
             strategy = trainer.strategy
             process = strategy.process_dataloader
 
@@ -69,8 +67,7 @@ class RNGStateCheckpoint(Callback):
                 dataloader = process(dataloader)
                 if trainer.state.stage != RunningStage.TRAINING:
                     return dataloader
-                # Lightning makes the first iterator before it sets the samplers' epoch: restarted in a later epoch, a
-                # DistributedSampler would draw epoch 0's order (and a StatefulDataLoader skip into it).
+                # Lightning sets the samplers' epoch after the first iterator: a DistributedSampler drew epoch 0's.
                 _set_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
                 return self._resumable(dataloader)
 
@@ -101,7 +98,7 @@ class RNGStateCheckpoint(Callback):
         stopping = trainer.received_sigterm or any(getattr(c, "signalled_at", None) for c in trainer.callbacks)
         if not stopping or not done or progress.is_last_batch:
             return
-        # A stop in the middle of an epoch: said now, not after the restart, where the continuation will differ.
+        # Said now, not after the restart, where the continuation will differ.
         for index, loader in enumerate(self._train_loaders()):
             reason = not_resumable_reason(loader)
             sampler = wrapped(loader)
@@ -120,8 +117,7 @@ class RNGStateCheckpoint(Callback):
         """Called on every rank while a checkpoint is assembled; rank 0's copy (holding all ranks) is written."""
         loaders = self._train_loaders()
         state = global_states()
-        # The states of the GPUs this process trains on, in its order (root first): a continuation puts them back on
-        # its own GPUs in that order, whatever CUDA numbers them there. A CPU process asks CUDA nothing.
+        # By the devices this process trains on, in order: a continuation puts them on its own, however numbered.
         devices = process_devices(self._trainer.strategy)
         state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
         state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
@@ -146,53 +142,44 @@ class RNGStateCheckpoint(Callback):
         state = {**state, "cuda": _on_devices(state.get("cuda"), process_devices(self._trainer.strategy))}
         _restore(state)
         self._restored = state
-        self._pending_samplers = state["samplers"]
         self._pending_loaders = list(state.get("loaders") or [])
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # Batches of the epoch trained on when the checkpoint was written ("processed": one saved from
-        # on_train_batch_end has not counted its batch as completed yet).
+        # "processed": a checkpoint saved from on_train_batch_end has not counted its batch as completed yet.
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
         self._batches_done = progress.get("current", {}).get("processed")
         self._last_batch = bool(progress.get("is_last_batch", False))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = self._train_loaders()
-        # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
-        # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
+        restored, self._restored = self._restored, None
+        samplers = None if restored is None else restored["samplers"]
+        # Lightning restores a StatefulDataLoader's place and sampler generator: a new iterator would lose them.
         stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
         replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
-        if (stateful or replayed) and self._restored is not None:
-            # Lightning's restored iterator drew seeds from the global generators, which the uninterrupted run did
-            # before the checkpoint (mid-epoch) or does when the next epoch's iterator starts: restore them again.
-            _restore(self._restored)
+        if (stateful or replayed) and restored is not None:
+            # Making the restored iterator drew from the global generators, which the uninterrupted run did earlier.
+            _restore(restored)
             if trainer.fit_loop.restarted_mid_epoch or replayed:
-                # Lightning (or the replay) put the loader back at its place in the epoch, sampler generator included.
-                self._pending_samplers = None
-        restored, self._restored = self._restored, None
+                samplers = None  # its place in the epoch is back, sampler generator included
         rebuild = False
-        if self._pending_samplers is not None:
-            generators = _sampler_generators(loaders)
-            for generator, saved in zip(generators, self._pending_samplers, strict=False):
-                if generator is not None and saved is not None:
-                    generator.set_state(saved)
-                    rebuild = True
-            self._pending_samplers = None
+        for generator, saved in zip(_sampler_generators(loaders), samplers or [], strict=False):
+            if generator is not None and saved is not None:
+                generator.set_state(saved)
+                rebuild = True
         if trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end:
-            # Restarted at an epoch's end, Lightning builds the next epoch's iterator before it sets the samplers'
-            # epoch, and not again (a DistributedSampler replays epoch 0's order): set it, and build anew below, from
-            # the random states the uninterrupted run had when it built that iterator (the checkpoint's).
+            # At an epoch's end Lightning built the next iterator before setting the samplers' epoch: build it again,
+            # from the states the uninterrupted run built it from (the checkpoint's).
             for loader in loaders:
                 _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
             if restored is not None:
                 _restore(restored)
             rebuild = True
         if rebuild:
-            # Lightning built the epoch's iterator before this hook, from the generators' old states or for the wrong
-            # epoch; a new one draws from the restored states, as the uninterrupted run did.
+            # Lightning built the epoch's iterator before this hook: a new one draws from the restored states.
             iter(internals.fit_data_fetcher(trainer))
-        # A resumable copy without recorded states (a checkpoint written by an older version) cannot replay.
+        # A resumable copy whose checkpoint recorded no states for it cannot replay: say what repeats.
         resumed = all(is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
             done, total = self._batches_done, trainer.num_training_batches
