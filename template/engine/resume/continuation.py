@@ -60,10 +60,7 @@ def continue_run(config: Any) -> Run:
     if ckpt_path is not None and ckpt_path not in checkpoints.SPECIAL_PATHS:
         checked = checkpoints.check(ckpt_path, f"the run's folder {directory}", strategy=config.get("trainer.strategy"))
         step, epoch = checked.get("global_step"), checked.get("epoch")
-    return Run(
-        name, directory, ckpt_path, resume=directory.is_dir(), **options,
-        resume_step=step if isinstance(step, int) else None, resume_epoch=epoch if isinstance(epoch, int) else None,
-    )  # fmt: skip
+    return Run(name, directory, ckpt_path, resume=directory.is_dir(), **options, resume_step=step, resume_epoch=epoch)
 
 
 class PeriodicCheckpoint(Callback):
