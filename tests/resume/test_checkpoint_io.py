@@ -93,7 +93,7 @@ def test_sigkill_during_saves_never_corrupts_or_leaks(tmp_path: Path, tmpdir_on:
             except Exception:
                 corrupt += 1
             # What a kill leaves behind, before any later save gets the chance to clean up.
-            leftovers = atomic.temporaries(target) + list(tmpdir.iterdir())
+            leftovers = list(target.parent.glob(f".{target.name}.*.tmp")) + list(tmpdir.iterdir())
             leaked += len(leftovers)
             atomic.remove_stale_temporaries(target)
             saving.value = 0

@@ -356,7 +356,7 @@ def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcom
         prove_writable(config.get("trainer.default_root_dir") or ".", "--trainer.default_root_dir")
         return
     directory = run_dir(config.get("trainer.default_root_dir"), name) if name else trainer.log_dir
-    folders.claim(directory, name, "--trainer.default_root_dir", trainer)
+    folders.claim(directory, name, "--trainer.default_root_dir")
 
 
 def _of_subcommand(config: Any) -> Any:

@@ -1,9 +1,5 @@
-"""Checkpoint files: check and load one a user names, write them crash-safe and weights-only, and ``last.ckpt`` at
-every validation.
-
-Every path a user gives (``--ckpt_path``, ``export CKPT``, ``load_weights``) goes through :func:`check` first: a
-missing, truncated or foreign file is one ``error:`` line before anything reads it or writes beside it.
-"""
+"""Checkpoint files: check and load one a user names (a missing, truncated or foreign file is one ``error:`` line
+before anything reads it), write them crash-safe and load them weights-only, and ``last.ckpt`` at every validation."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import io
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +36,8 @@ def check(
     path: str | os.PathLike, option: str = "--ckpt_path", lightning: bool = True, strategy: Any = None
 ) -> dict[str, Any]:
     """The checkpoint at ``path``, its tensors memory-mapped (a sharded one without its shards); a ConfigError when
-    it cannot be used.
-
-    ``lightning``: the caller resumes or evaluates from it, so a bare ``state_dict`` (what ``export`` writes) is
-    refused with a line saying how to use it. ``strategy``: the ``trainer.strategy`` that will load it; a sharded
-    checkpoint (a folder, strategy fsdp's) loads only under fsdp.
-    """
+    it cannot be used. ``lightning``: it is resumed or evaluated from, so a bare ``state_dict`` is refused.
+    ``strategy``: the ``trainer.strategy`` that will load it (a sharded checkpoint loads only under fsdp)."""
     if is_sharded(path):
         return _check_sharded(Path(path), option, strategy)
     if not Path(path).is_file():
@@ -61,8 +53,9 @@ def check(
             f"checkpoint '{path}' cannot be loaded ({reason}); it is truncated, corrupt "
             f"or not a weights-only PyTorch checkpoint: pass a complete .ckpt file written by this project to {option}"
         ) from None
-    if lightning and not is_lightning(checkpoint):
-        if is_state_dict(checkpoint):
+    mapping = checkpoint if isinstance(checkpoint, Mapping) else {}
+    if lightning and not (_LIGHTNING_KEY in mapping and "state_dict" in mapping):
+        if mapping and all(isinstance(v, torch.Tensor) for v in mapping.values()):  # what `export` writes
             raise ConfigError(
                 f"checkpoint '{path}' holds a network's weights only (as `export` writes them), not a training "
                 f"state: load it with net.load_state_dict(torch.load('{path}', weights_only=True)), or pass the "
@@ -99,28 +92,13 @@ def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
     full tensors, optimizer states keyed by parameter name."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    check(path, option="the command")
+    checkpoint = check(path, option="the command")
     buffer = io.BytesIO()
     dcp_to_torch_save(path, buffer)
     buffer.seek(0)
     shards = torch.load(buffer, map_location="cpu", weights_only=True)
-    checkpoint = torch.load(Path(path) / SHARDED_METADATA, map_location="cpu", weights_only=True)
     optimizers = sorted((k for k in shards if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     return {**checkpoint, "state_dict": shards["state_dict"], "optimizer_states": [shards[k] for k in optimizers]}
-
-
-def is_lightning(checkpoint: Any) -> bool:
-    """Whether ``checkpoint`` is what Lightning's ``Trainer.save_checkpoint`` writes."""
-    return isinstance(checkpoint, Mapping) and _LIGHTNING_KEY in checkpoint and "state_dict" in checkpoint
-
-
-def is_state_dict(checkpoint: Any) -> bool:
-    """Whether ``checkpoint`` is a bare ``state_dict``: names mapped to tensors."""
-    return (
-        isinstance(checkpoint, Mapping)
-        and bool(checkpoint)
-        and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
-    )
 
 
 def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
@@ -132,9 +110,8 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
 
 def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:
-    """Leave out Lightning's warning that the checkpoint folder "exists and is not empty" when the fit continues
-    from a checkpoint in it: it holds the run's own. The warning stays for any other folder, where a new run would
-    overwrite another's ``last.ckpt``."""
+    """Leave out Lightning's warning that the checkpoint folder "exists and is not empty" when the fit continues from
+    a checkpoint in it (the run's own); elsewhere a new run would overwrite another's ``last.ckpt``."""
     if ckpt_path is None or str(ckpt_path) in SPECIAL_PATHS:
         return
     folder = checkpoint_dir(trainer)
@@ -147,13 +124,12 @@ def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
-    """Lightning's ModelCheckpoint (the ``checkpoint:`` section), whose ``save_last=True`` writes ``last.ckpt`` at
-    every validation, as before Lightning 2.6 (since, only where a top-k checkpoint is: a run whose score stopped
-    improving ended with an old ``last.ckpt``, and a restart went back to it). The class name keeps the state key.
+    """Lightning's ModelCheckpoint (the ``checkpoint:`` section) whose ``save_last=True`` writes ``last.ckpt`` at
+    every validation.
 
-    A second, plain ModelCheckpoint cannot write it: with the same monitor and triggers Lightning refuses the two
-    (one state key), MLflow uploads the checkpoints of the last one to save, and one ModelCheckpoint cannot
-    save both at validations and every ``every_n_train_steps``.
+    Lightning 2.6 writes it only where a top-k checkpoint is: a run whose score stopped improving ended with an old
+    ``last.ckpt``. A second ModelCheckpoint cannot write it: Lightning refuses two of the same state key (the class
+    name keeps it), and MLflow uploads only the checkpoints of the last one to save.
     """
 
     @override
@@ -183,11 +159,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(checkpoint, path)
 
-    def load_checkpoint(
-        self,
-        path: str | os.PathLike,
-        map_location: Callable | None = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+    @override
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Load with ``weights_only=True`` whatever the caller asks: a checkpoint is data, never code to run."""
-        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        return super().load_checkpoint(*args, **{**kwargs, "weights_only": True})

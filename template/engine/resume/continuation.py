@@ -36,8 +36,8 @@ class Run:
             return None
         if self.ckpt_path is None:
             return f"Run {self.name} ({self.directory}): no checkpoint yet, starting from the beginning"
-        where = f"epoch {_or_unknown(self.resume_epoch)}, step {_or_unknown(self.resume_step)}"
-        return f"Run {self.name} ({self.directory}): resuming from {self.ckpt_path} ({where})"
+        epoch, step = ("?" if value is None else value for value in (self.resume_epoch, self.resume_step))
+        return f"Run {self.name} ({self.directory}): resuming from {self.ckpt_path} (epoch {epoch}, step {step})"
 
 
 def continue_run(config: Any) -> Run:
@@ -58,26 +58,15 @@ def continue_run(config: Any) -> Run:
         ckpt_path = newest([directory / CHECKPOINTS, *([Path(dirpath)] if dirpath else [])])
     step = epoch = None
     if ckpt_path is not None and ckpt_path not in checkpoints.SPECIAL_PATHS:
-        option = f"the run's folder {directory}"
-        checked = checkpoints.check(ckpt_path, option, strategy=config.get("trainer.strategy"))
+        checked = checkpoints.check(ckpt_path, f"the run's folder {directory}", strategy=config.get("trainer.strategy"))
         step, epoch = checked.get("global_step"), checked.get("epoch")
-    return Run(
-        name, directory, ckpt_path, resume=directory.is_dir(), **options,
-        resume_step=step if isinstance(step, int) else None, resume_epoch=epoch if isinstance(epoch, int) else None,
-    )  # fmt: skip
-
-
-def _or_unknown(value: int | None) -> str:
-    return "?" if value is None else str(value)
+    return Run(name, directory, ckpt_path, resume=directory.is_dir(), **options, resume_step=step, resume_epoch=epoch)
 
 
 class PeriodicCheckpoint(Callback):
-    """Rewrites ``checkpoints/last-step.ckpt`` every ``every`` training steps, for restarts after a SIGKILL.
-
-    It is written at the first batch end from which a resume is exact (``exact_resume_point``), at most a validation
-    later than the step it is due: ``ModelCheckpoint(every_n_train_steps=...)`` would also write between micro-batches,
-    at an epoch's last batch and right before a validation.
-    """
+    """Rewrites ``checkpoints/last-step.ckpt`` every ``every`` training steps, for restarts after a SIGKILL: at the
+    first batch end from which a resume is exact, where ``ModelCheckpoint(every_n_train_steps=...)`` would also write
+    between micro-batches, at an epoch's last batch and right before a validation."""
 
     announcement = Mechanism(
         "periodic checkpoint", "last-step.ckpt every run.save_every_n_steps steps", "--run.save_every_n_steps=null"
@@ -99,7 +88,6 @@ class PeriodicCheckpoint(Callback):
             self._due = (trainer.global_step // self.every + 1) * self.every
 
 
-def periodic_checkpoint(run: Run | None) -> list[PeriodicCheckpoint]:
+def periodic_checkpoint(run: Run) -> list[PeriodicCheckpoint]:
     """The periodic save of ``run.save_every_n_steps``; none when unset."""
-    every = run.save_every_n_steps if run is not None else None
-    return [] if every is None else [PeriodicCheckpoint(every)]
+    return [] if run.save_every_n_steps is None else [PeriodicCheckpoint(run.save_every_n_steps)]

@@ -1,15 +1,6 @@
-"""Exact mid-epoch resume for any map-style DataLoader, the user's code unchanged.
-
-An epoch's order is a function of the random states its sampler draws from: the global torch, Python and NumPy
-generators, the sampler's or loader's ``torch.Generator``, a ``DistributedSampler``'s epoch. ``ResumableIndexSampler``
-wraps the loader's index sampler and records them each epoch, when the DataLoader creates its iterator (before it
-draws its workers' base seed) and when the sampler starts drawing; they travel in the checkpoint
-(``RNGStateCheckpoint``). On resume the same order is drawn again, the batches already trained on are skipped as
-lists of indices (the dataset is not read for them), and the workers' seed is drawn from the state it was drawn from.
-
-The wrapper lives in a shallow copy of the user's loader, made where Lightning processes the training loader; the
-user's object is not changed.
-"""
+"""Exact mid-epoch resume for any map-style DataLoader, the user's code unchanged: a copy of the loader records the
+random states each epoch's order and workers' seed are drawn from; on resume it draws the same order again and skips
+the batches trained on as lists of indices, without reading them (docs/reliability.md, Exact at any step)."""
 
 from __future__ import annotations
 
@@ -18,6 +9,7 @@ from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data
 from torch.utils.data import (
@@ -34,13 +26,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRan
 
 from template.engine import internals
 
-try:
-    import numpy as np
-except ImportError:  # numpy is optional for torch; without it there is no NumPy generator to record
-    np = None
-
-# Samplers whose order is a function of the recorded states alone; another sampler is replayed the same way, and
-# checked at stop time (``order_reproducible``).
+# Samplers whose order is a function of the recorded states alone; another's is checked at a stop.
 KNOWN_SAMPLERS = (
     SequentialSampler,
     torch.utils.data.RandomSampler,
@@ -54,13 +40,10 @@ KNOWN_SAMPLERS = (
 def global_states() -> dict[str, Any]:
     """The global torch, Python and NumPy random states, in plain types and tensors (weights-only loadable)."""
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss], "numpy": None}
-    if np is not None:
-        algorithm, keys, pos, has_gauss, cached = np.random.get_state()
-        # Plain types only: a numpy array in a checkpoint breaks torch.load(weights_only=True).
-        keys = torch.from_numpy(keys.astype(np.int64))
-        state["numpy"] = [str(algorithm), keys, int(pos), int(has_gauss), float(cached)]
-    return state
+    algorithm, keys, pos, has_gauss, cached = np.random.get_state()
+    # Plain types only: a numpy array in a checkpoint breaks torch.load(weights_only=True).
+    numpy = [str(algorithm), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss], "numpy": numpy}
 
 
 def restore_global_states(state: dict[str, Any]) -> None:
@@ -68,7 +51,7 @@ def restore_global_states(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if np is not None and state["numpy"] is not None:
+    if state["numpy"] is not None:
         algorithm, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
@@ -82,11 +65,8 @@ def capture_states(generators: list[torch.Generator], epoch_samplers: list[Any])
 
 
 class ResumableIndexSampler(Sampler):
-    """The loader's index sampler (its batch sampler, or its sampler when it does not batch), able to skip batches.
-
-    Behaves as the wrapped one (same items and length, the same draws at the same moments); other attributes
-    (``batch_size``, ``drop_last``, ``set_epoch``...) are the wrapped one's.
-    """
+    """The loader's index sampler (its batch sampler, else its sampler), able to skip batches: the same items, length
+    and draws at the same moments as the wrapped one, whose other attributes (``batch_size``...) it has."""
 
     def __init__(self, inner: Any, generators: list[torch.Generator], epoch_samplers: list[Any]) -> None:
         self.inner = inner
@@ -132,8 +112,7 @@ class ResumableIndexSampler(Sampler):
     def before_iterator(self, new: bool, persistent: bool = False) -> None:
         """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
         if new and persistent and self._resume is None and self._workers_seed_from is not None:
-            # The seed from the states it was first drawn from; the epoch's order from where training is (put back at
-            # the first item).
+            # The seed from the states it was first drawn from; the order from where training is (see __iter__).
             self._after_seed = capture_states(self.generators, self.epoch_samplers)
             self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
             self._put_back(self.at_iterator)
@@ -145,8 +124,8 @@ class ResumableIndexSampler(Sampler):
             self.at_iterator = capture_states(self.generators, self.epoch_samplers)
 
     def __iter__(self) -> Iterator[Any]:
-        # A generator: the wrapped sampler draws at the same moment as without the wrapper (its first item). A
-        # DataLoader with workers calls this twice while it builds its iterator and pulls from the second only.
+        # A generator, so that the wrapped sampler draws when it would unwrapped (at the first item): a DataLoader with
+        # workers makes two while it builds its iterator and pulls from the second only.
         if self._resume is not None:
             yield from self._replay()
             return
@@ -154,10 +133,9 @@ class ResumableIndexSampler(Sampler):
             self._put_back(self._after_seed)
             self._after_seed = None
         self.at_order = capture_states(self.generators, self.epoch_samplers)
-        first = True
-        for item in self.inner:
-            if first:
-                self.first, first = _plain(item), False
+        for index, item in enumerate(self.inner):
+            if index == 0:
+                self.first = _plain(item)
             yield item
 
     def _replay(self) -> Iterator[Any]:
@@ -249,37 +227,29 @@ def not_resumable_reason(loader: object) -> str | None:
 
 def make_resumable(loader: object) -> object:
     """A copy of a map-style DataLoader whose index sampler can replay an epoch and skip into it; others unchanged."""
-    if not isinstance(loader, DataLoader) or wrapped(loader) is not None or not_resumable_reason(loader) is not None:
+    if not isinstance(loader, DataLoader) or wrapped(loader) is not None or is_stateful(loader):
         return loader
-    if is_stateful(loader):
+    if isinstance(loader.dataset, IterableDataset):
         return loader
     batching = loader.batch_sampler is not None
     inner = loader.batch_sampler if batching else loader.sampler
     samplers = [inner, getattr(inner, "sampler", None), loader.sampler]
-    generators: list[torch.Generator] = []
-    epoch_samplers: list[Any] = []
-    for candidate in [loader.generator, *(getattr(s, "generator", None) for s in samplers)]:
-        if isinstance(candidate, torch.Generator) and all(candidate is not g for g in generators):
-            generators.append(candidate)
-    for sampler in samplers:
-        epochs = callable(getattr(sampler, "set_epoch", None)) and hasattr(sampler, "epoch")
-        if epochs and all(sampler is not s for s in epoch_samplers):
-            epoch_samplers.append(sampler)
+    # Each once, in the order found, by identity.
+    candidates = [loader.generator, *(getattr(s, "generator", None) for s in samplers)]
+    generators = {id(g): g for g in candidates if isinstance(g, torch.Generator)}
+    epochs = {id(s): s for s in samplers if callable(getattr(s, "set_epoch", None)) and hasattr(s, "epoch")}
     resumable = internals.dataloader_copy(loader, _resumable_class(type(loader)))
     # DataLoader refuses new samplers after __init__; this is the copy, the user's loader keeps its own.
-    wrapper = ResumableIndexSampler(inner, generators, epoch_samplers)
+    wrapper = ResumableIndexSampler(inner, list(generators.values()), list(epochs.values()))
     object.__setattr__(resumable, "batch_sampler" if batching else "sampler", wrapper)
     return resumable
 
 
 class RandomSampler(_ResumableRandomSampler, torch.utils.data.RandomSampler):
-    """torchdata's resumable RandomSampler that is also a ``torch.utils.data.RandomSampler``.
+    """torchdata's resumable RandomSampler that is also a ``torch.utils.data.RandomSampler``: pass it as
+    ``StatefulDataLoader(dataset, sampler=RandomSampler(dataset))`` where ``shuffle=True`` would go.
 
-    Pass it as ``StatefulDataLoader(dataset, sampler=RandomSampler(dataset))`` where ``shuffle=True`` would go.
-    ``StatefulDataLoader(shuffle=True)`` builds torchdata's own sampler, which is not a torch RandomSampler: under
-    DDP, Lightning then wraps it in a ``DistributedSamplerWrapper``, which draws each rank's order from a sampler
-    seeded differently per rank and keeps no state, so ranks overlap within an epoch and a mid-epoch resume reads
-    other batches. Lightning replaces a torch RandomSampler with a real ``DistributedSampler`` (``shuffle=True``,
-    ``set_epoch`` every epoch), whose order a resume replays; in a single process this sampler saves and restores
-    its place in the epoch itself. The same holds under the command line and under a plain ``Trainer``.
+    Under DDP Lightning replaces a torch RandomSampler with a ``DistributedSampler``, whose order a resume replays;
+    torchdata's own shuffling sampler it wraps instead, and ranks would read overlapping samples. In one process this
+    sampler saves and restores its place in the epoch itself.
     """

@@ -37,11 +37,8 @@ def exact_resume_point(trainer: Trainer) -> bool:
 
 
 class RNGStateCheckpoint(Callback):
-    """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank, and restores them on resume.
-
-    Also puts a map-style training DataLoader back at its place in an epoch: Lightning trains on a resumable copy of
-    it (``resume/loader.py``). Checkpoints hold only tensors and plain values: they load with ``weights_only=True``.
-    """
+    """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank (tensors and plain values: loaded
+    weights-only) and restores them on resume; puts a map-style training DataLoader back at its place in an epoch."""
 
     announcement = Mechanism(
         "random states",
@@ -51,7 +48,6 @@ class RNGStateCheckpoint(Callback):
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
-        self._pending_samplers: list[torch.Tensor | None] | None = None
         self._batches_done: int | None = None
         self._last_batch = False
         self._restored: dict[str, Any] | None = None
@@ -59,16 +55,11 @@ class RNGStateCheckpoint(Callback):
         self._pending_loaders: list[dict[str, Any] | None] = []
         self._patched: Any = None
 
-    @property
-    def state_key(self) -> str:
-        return "RNGStateCheckpoint"
-
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
         if stage == "fit" and self._patched is None:
-            # The training loader is replaced by its resumable copy after Lightning inserted its samplers and before
-            # it makes the first iterator (FitLoop.setup_data). No callback hook runs there; the strategy's
-            # process_dataloader does, and the strategy is the user's choice: this instance's is wrapped for the fit.
+            # The training loader becomes its resumable copy after Lightning inserted its samplers and before it makes
+            # the first iterator: no callback hook runs there, the (user's) strategy's process_dataloader does.
             strategy = trainer.strategy
             process = strategy.process_dataloader
 
@@ -76,8 +67,7 @@ class RNGStateCheckpoint(Callback):
                 dataloader = process(dataloader)
                 if trainer.state.stage != RunningStage.TRAINING:
                     return dataloader
-                # Lightning makes the first iterator before it sets the samplers' epoch: restarted in a later epoch, a
-                # DistributedSampler would draw epoch 0's order (and a StatefulDataLoader skip into it).
+                # Lightning sets the samplers' epoch after the first iterator: a DistributedSampler drew epoch 0's.
                 _set_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
                 return self._resumable(dataloader)
 
@@ -108,7 +98,7 @@ class RNGStateCheckpoint(Callback):
         stopping = trainer.received_sigterm or any(getattr(c, "signalled_at", None) for c in trainer.callbacks)
         if not stopping or not done or progress.is_last_batch:
             return
-        # A stop in the middle of an epoch: said now, not after the restart, where the continuation will differ.
+        # Said now, not after the restart, where the continuation will differ.
         for index, loader in enumerate(self._train_loaders()):
             reason = not_resumable_reason(loader)
             sampler = wrapped(loader)
@@ -126,17 +116,16 @@ class RNGStateCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         """Called on every rank while a checkpoint is assembled; rank 0's copy (holding all ranks) is written."""
         loaders = self._train_loaders()
-        state = _collect(loaders, process_devices(self._trainer.strategy) if self._trainer is not None else [])
-        state["loaders"] = []
-        for loader in loaders:
-            sampler = wrapped(loader)
-            recorded = sampler is not None and sampler.at_iterator is not None and sampler.at_order is not None
-            state["loaders"].append({"iterator": sampler.at_iterator, "order": sampler.at_order} if recorded else None)
+        state = global_states()
+        # By the devices this process trains on, in order: a continuation puts them on its own, however numbered.
+        devices = process_devices(self._trainer.strategy)
+        state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
+        state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
+        state["loaders"] = [_recorded(wrapped(loader)) for loader in loaders]
+        ranks: list[Any] = [state]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            ranks: list[Any] = [None] * dist.get_world_size()
+            ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, state)
-        else:
-            ranks = [state]
         return {"world_size": len(ranks), "ranks": ranks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -150,57 +139,47 @@ class RNGStateCheckpoint(Callback):
             )
             return
         state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
-        devices = process_devices(self._trainer.strategy) if self._trainer is not None else []
-        state = {**state, "cuda": _on_devices(state.get("cuda"), devices)}
+        state = {**state, "cuda": _on_devices(state.get("cuda"), process_devices(self._trainer.strategy))}
         _restore(state)
         self._restored = state
-        self._pending_samplers = state["samplers"]
         self._pending_loaders = list(state.get("loaders") or [])
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # Batches of the epoch trained on when the checkpoint was written ("processed": one saved from
-        # on_train_batch_end has not counted its batch as completed yet).
+        # "processed": a checkpoint saved from on_train_batch_end has not counted its batch as completed yet.
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
         self._batches_done = progress.get("current", {}).get("processed")
         self._last_batch = bool(progress.get("is_last_batch", False))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = self._train_loaders()
-        # A loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) has its sampler's generator and
-        # its place in the epoch restored by Lightning; building its iterator again here would throw that away.
+        restored, self._restored = self._restored, None
+        samplers = None if restored is None else restored["samplers"]
+        # Lightning restores a StatefulDataLoader's place and sampler generator: a new iterator would lose them.
         stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
         replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
-        if (stateful or replayed) and self._restored is not None:
-            # Lightning's restored iterator drew seeds from the global generators, which the uninterrupted run did
-            # before the checkpoint (mid-epoch) or does when the next epoch's iterator starts: restore them again.
-            _restore(self._restored)
+        if (stateful or replayed) and restored is not None:
+            # Making the restored iterator drew from the global generators, which the uninterrupted run did earlier.
+            _restore(restored)
             if trainer.fit_loop.restarted_mid_epoch or replayed:
-                # Lightning (or the replay) put the loader back at its place in the epoch, sampler generator included.
-                self._pending_samplers = None
-        restored, self._restored = self._restored, None
+                samplers = None  # its place in the epoch is back, sampler generator included
         rebuild = False
-        if self._pending_samplers is not None:
-            generators = _sampler_generators(loaders)
-            for generator, saved in zip(generators, self._pending_samplers, strict=False):
-                if generator is not None and saved is not None:
-                    generator.set_state(saved)
-                    rebuild = True
-            self._pending_samplers = None
+        for generator, saved in zip(_sampler_generators(loaders), samplers or [], strict=False):
+            if generator is not None and saved is not None:
+                generator.set_state(saved)
+                rebuild = True
         if trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end:
-            # Restarted at an epoch's end, Lightning builds the next epoch's iterator before it sets the samplers'
-            # epoch, and not again (a DistributedSampler replays epoch 0's order): set it, and build anew below, from
-            # the random states the uninterrupted run had when it built that iterator (the checkpoint's).
+            # At an epoch's end Lightning built the next iterator before setting the samplers' epoch: build it again,
+            # from the states the uninterrupted run built it from (the checkpoint's).
             for loader in loaders:
                 _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
             if restored is not None:
                 _restore(restored)
             rebuild = True
         if rebuild:
-            # Lightning built the epoch's iterator before this hook, from the generators' old states or for the wrong
-            # epoch; a new one draws from the restored states, as the uninterrupted run did.
+            # Lightning built the epoch's iterator before this hook: a new one draws from the restored states.
             iter(internals.fit_data_fetcher(trainer))
-        # A resumable copy without recorded states (a checkpoint written by an older version) cannot replay.
+        # A resumable copy whose checkpoint recorded no states for it cannot replay: say what repeats.
         resumed = all(is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
         if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
             done, total = self._batches_done, trainer.num_training_batches
@@ -215,8 +194,6 @@ class RNGStateCheckpoint(Callback):
             )
 
     def _train_loaders(self) -> list[DataLoader]:
-        if self._trainer is None:
-            return []
         loaders: list[DataLoader] = []
         apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
         return loaders
@@ -239,13 +216,11 @@ def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | Non
     return generators
 
 
-def _collect(loaders: list[DataLoader], devices: list[torch.device]) -> dict[str, Any]:
-    state = global_states()
-    # The random state of each GPU this process trains on, in its order (root first): a continuation puts them back
-    # on its own GPUs in that order, whatever CUDA numbers them there. A CPU process saves none and asks CUDA nothing.
-    state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
-    state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
-    return state
+def _recorded(sampler: Any) -> dict[str, Any] | None:
+    """The random states a resumable copy's current epoch was drawn from; None for another loader."""
+    if sampler is None or sampler.at_iterator is None or sampler.at_order is None:
+        return None
+    return {"iterator": sampler.at_iterator, "order": sampler.at_order}
 
 
 def _on_devices(saved: dict[str, torch.Tensor] | list[torch.Tensor] | None, devices: list[torch.device]) -> dict:

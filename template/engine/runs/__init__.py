@@ -1,9 +1,6 @@
-"""Run folders and their record: the one owner of a run folder's layout and names, its lock, how each start ended
-(``provenance.py``), and the ``runs`` table. Other packages ask here for any path into a run folder.
-
-Uses the store (writes, the lock), strategies (the devices a run used) and errors. This module imports neither torch
-nor Lightning: the runs table reads run folders with these names alone.
-"""
+"""Run folders and their record: the one owner of a run folder's layout and names, its lock, how each start ended,
+and the ``runs`` table; other packages ask here for any path into a run folder. Uses the store, strategies and
+errors. This module imports neither torch nor Lightning: the runs table reads run folders with these names alone."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ def run_dir(root: str | os.PathLike | None, name: str) -> Path:
 
 
 def configs(folder: str | os.PathLike) -> list[Path]:
-    """The configs a run saved, in the order written: ``config.yaml``, then each ``config.restart-<n>.yaml``."""
+    """The configs a run saved, oldest first: ``config.yaml``, then each ``config.restart-<n>.yaml``."""
     restarts = _restarts(Path(folder))
     return [p for p in [Path(folder) / CONFIG, *(restarts[n] for n in sorted(restarts))] if p.is_file()]
 
@@ -54,11 +51,8 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 def settled(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``starts`` (provenance.json's, oldest first) with each start that wrote no end and is not running ``killed``
-    (SIGKILL, the OOM killer, a lost node).
-
-    The folder's lock lets one process at a time run a run, so only the newest start may still be running: it is
-    unless it ran on this host and its process is gone (another host's cannot be checked from here).
-    """
+    (SIGKILL, the OOM killer, a lost node). The folder's lock lets one process at a time run a run, so only the
+    newest may still be running: it is unless it ran on this host and its process is gone."""
     for i, start in enumerate(starts):
         if start.get("status") == "running" and (i < len(starts) - 1 or not _may_be_running(start)):
             start["status"] = "killed"
@@ -67,11 +61,11 @@ def settled(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _may_be_running(start: dict[str, Any]) -> bool:
     if start.get("hosts") != [socket.gethostname()] or not isinstance(start.get("pid"), int):
-        return True
+        return True  # another host's process cannot be checked from here
     try:
         os.kill(start["pid"], 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
+        pass
     return True

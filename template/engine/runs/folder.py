@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,37 +21,28 @@ from template.engine.errors import ConfigError, disk_errors
 from template.engine.runs import CHECKPOINTS, LAST, is_sharded, restart_config
 from template.engine.store import Lock, atomic_write, prove_writable, try_lock, undone_on_failure
 
-# Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
-_INTERACTIVE_JOB_NAMES = ("bash", "interactive")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_PART = "[A-Za-z0-9][A-Za-z0-9._-]*"
 # A sweep's trials are runs one level down (<sweep name>/<trial>), their folds under --cv.folds two.
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*){0,2}")
+_RUN_NAME = re.compile(rf"{_PART}(/{_PART}){{0,2}}")
 
 
+@dataclass
 class RunOptions:
-    """The ``run`` options: which run folder a ``fit`` belongs to, so that the same command continues it."""
+    """The ``run`` options: which run folder a ``fit`` belongs to, so that the same command continues it.
 
-    def __init__(
-        self,
-        name: str | None = None,
-        save_every_n_steps: PositiveInt | None = None,
-        preemption: bool = True,
-        preemption_check_interval: NonNegativeFloat = 1.0,
-    ) -> None:
-        """``name``: the run's folder under ``<default_root_dir>/lightning_logs/`` (default: the scheduler's job id).
+    Args:
+        name: the run's folder under ``<default_root_dir>/lightning_logs/`` (default: the scheduler's job id).
+        save_every_n_steps: also write ``checkpoints/last-step.ckpt`` every N training steps, for restarts after a
+            SIGKILL (torchrun elastic restarts, the OOM killer), which leave no time for a checkpoint on the way out.
+        preemption: on SIGTERM, SIGUSR1 or Ctrl-C write ``checkpoints/interrupted.ckpt`` (and requeue a SLURM job).
+        preemption_check_interval: with several processes, about how many seconds apart they compare signals (a
+            collective and a GPU sync each time; the stop waits for the next comparison); 0: at every step.
+    """
 
-        ``save_every_n_steps``: also write ``checkpoints/last-step.ckpt`` every N training steps, for restarts after a
-        SIGKILL (torchrun elastic restarts, the OOM killer), which leave no time for a checkpoint on the way out.
-
-        ``preemption``: on SIGTERM, SIGUSR1 or Ctrl-C write ``checkpoints/interrupted.ckpt`` (and requeue a SLURM job).
-
-        ``preemption_check_interval``: with several processes, about how many seconds apart they compare signals
-        (a collective and a GPU sync each time; the stop waits for the next comparison); 0: at every step.
-        """
-        self.name = name
-        self.save_every_n_steps = save_every_n_steps
-        self.preemption = preemption
-        self.preemption_check_interval = preemption_check_interval
+    name: str | None = None
+    save_every_n_steps: PositiveInt | None = None
+    preemption: bool = True
+    preemption_check_interval: NonNegativeFloat = 1.0
 
 
 def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.environ) -> str | None:
@@ -63,24 +55,22 @@ def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.
             )
         return configured
     job = environ.get("SLURM_JOB_ID")
-    if job and environ.get("SLURM_JOB_NAME") not in _INTERACTIVE_JOB_NAMES:
+    # Lightning takes a SLURM "job" named bash or interactive for an interactive allocation, not a batch job.
+    if job and environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         # An array task is its own job for requeueing; its folder follows the array id and task.
         array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
         return f"slurm-{array}_{task}" if array and task else f"slurm-{job}"
     # torchrun's default rendezvous id is the literal "none": the same for every job, so it names no run.
     elastic = environ.get("TORCHELASTIC_RUN_ID")
-    if elastic and elastic != "none" and _NAME.fullmatch(elastic):
+    if elastic and elastic != "none" and re.fullmatch(_PART, elastic):
         return f"torchrun-{elastic}"
     return None
 
 
 def run_folder_arguments(directory: Path | None, trainer_config: dict[str, Any], checkpoint: Any) -> dict[str, Any]:
-    """Keep a named run's checkpoints in its own folder whatever the loggers, so that the same command finds them.
-
-    Lightning puts checkpoints in the first logger's version folder, or in ``default_root_dir`` without a logger. With
-    ``logger: false`` the run's folder becomes the Trainer's ``default_root_dir`` (config.yaml and provenance.json go
-    there too); with a logger of the user's own the checkpoint folder is set. ``checkpoint.dirpath`` stays the user's.
-    """
+    """Keep a named run's checkpoints in its own folder whatever the loggers (Lightning puts them in the first logger's
+    folder): ``logger: false`` makes the run's folder the ``default_root_dir``, else the checkpoint folder is set
+    unless ``checkpoint.dirpath`` is the user's."""
     if directory is None:
         return {}
     if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:
@@ -97,16 +87,14 @@ class RunConfigCallback(SaveConfigCallback):
             super().setup(trainer, pl_module, stage)
             return
         first = Path(log_dir) / self.config_filename
-        exists = trainer.strategy.broadcast(first.is_file() if trainer.is_global_zero else False)
-        if not exists:
+        if not trainer.strategy.broadcast(first.is_file() if trainer.is_global_zero else False):
             # jsonargparse writes config.yaml in place: a full disk must not leave a 0-byte or partial one.
-            with disk_errors(first, "nothing was written"), undone_on_failure(first, copy=False):
+            with disk_errors(first, "nothing was written"), undone_on_failure(first):
                 super().setup(trainer, pl_module, stage)
             return
         if trainer.is_global_zero:
             text = self.parser.dump(self.config, skip_none=False)
             if _without_ckpt_path(first.read_text()) != _without_ckpt_path(text):
-                # The first config stays as it was; each differing restart adds its own beside it.
                 restart = restart_config(log_dir)
                 with disk_errors(restart, "nothing was written"):
                     atomic_write(restart, lambda f: f.write(text.encode()))
@@ -119,36 +107,30 @@ def _without_ckpt_path(text: str) -> str:
 
 
 class RunFolders:
-    """The folders one command writes into: the run's, claimed before anything is written there, and the others it
-    creates (a ``checkpoint.dirpath`` of the user's). The command owns this object and releases it when it ends.
-
-    The claim locks the run's folder (``store.try_lock``): one process per run. What the command created is removed
-    again when it stops on a mistake before its first training step (``discard_unstarted``): a mistake leaves the disk
-    as it was. Only the process of global rank zero claims and creates; in the others these calls do nothing.
-    """
+    """The folders one command writes into: the run's, claimed (locked: one process per run) before anything is
+    written there, and the others it creates (a ``checkpoint.dirpath`` of the user's). What it created is removed
+    again when the command stops on a mistake before its first training step: a mistake leaves the disk as it was.
+    Only the process of global rank zero claims and creates. The command owns this object and releases it."""
 
     def __init__(self) -> None:
         self.lock: Lock | None = None
         self.run_created: Path | None = None  # the topmost folder the claim created for the run
-        self.trainer: Trainer | None = None  # its global step tells whether training started
+        self.trainer: Trainer | None = None  # the command's: its global step tells whether training started
         # Each folder created, with the times of the folder it was made in, given back when it is removed again.
-        self.created: dict[Path, tuple[int, int] | None] = {}
+        self.created: dict[Path, tuple[int, int]] = {}
 
-    def claim(
-        self, directory: str | os.PathLike, name: str | None, option: str, trainer: Trainer | None = None
-    ) -> None:
+    def claim(self, directory: str | os.PathLike, name: str | None, option: str) -> None:
         """Create ``directory`` if needed, prove it writable and lock it; a ConfigError when another process has it."""
         if not _global_zero():
             return
-        if self.lock is not None:
-            self.lock.release()
-        self.run_created, self.trainer = self._create(Path(directory).absolute(), option), trainer
+        directory = Path(directory).absolute()
+        self.run_created = self._create(directory, option)
         self.lock = try_lock(directory)
         if self.lock is None:
-            which = f"run {name!r}" if name else f"the run in {Path(directory).absolute()}"
+            which = f"run {name!r}" if name else f"the run in {directory}"
             raise ConfigError(
-                f"{which} is already running in another process (its folder {Path(directory).absolute()} is "
-                "locked); wait for it to end or stop it, or start this one under another --run.name"
+                f"{which} is already running in another process (its folder {directory} is locked); wait for it to "
+                "end or stop it, or start this one under another --run.name"
             )
 
     def prepare(self, directory: str | os.PathLike, option: str) -> None:
@@ -160,11 +142,7 @@ class RunFolders:
     def _create(self, directory: Path, option: str) -> Path | None:
         created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
         if created is not None:
-            try:
-                stat = created.parent.stat()
-                self.created[created] = stat.st_atime_ns, stat.st_mtime_ns
-            except OSError:
-                self.created[created] = None
+            self.created[created] = (parent := created.parent.stat()).st_atime_ns, parent.st_mtime_ns
         try:
             prove_writable(directory, option)
         except BaseException:
@@ -183,30 +161,25 @@ class RunFolders:
 
     def _remove(self, created: Path) -> None:
         shutil.rmtree(created, ignore_errors=True)
-        if (times := self.created.pop(created, None)) is not None:  # the parent's times, as before
-            with contextlib.suppress(OSError):
-                os.utime(created.parent, ns=times)
+        with contextlib.suppress(OSError):
+            os.utime(created.parent, ns=self.created.pop(created))  # the parent's times, as before
 
     def release(self) -> None:
         """Unlock the run's folder: the command has ended (the process ending does the same)."""
         if self.lock is not None:
             self.lock.release()
-        self.lock, self.run_created, self.created = None, None, {}
 
 
 def _global_zero() -> bool:
     # Before Lightning sets up its processes the Trainer does not know its rank yet; the launchers' variables do.
-    return (
-        rank_zero_only.rank == 0
-        and os.environ.get("NODE_RANK", "0") == "0"
-        and os.environ.get("GROUP_RANK", "0") == "0"
-    )
+    ranks = (os.environ.get("NODE_RANK", "0"), os.environ.get("GROUP_RANK", "0"))
+    return rank_zero_only.rank == 0 and ranks == ("0", "0")
 
 
 def checkpoint_dir(trainer: Any) -> str:
     """Where the run's checkpoints go: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``."""
     callback = trainer.checkpoint_callback
-    if callback is not None and getattr(callback, "dirpath", None):
+    if callback is not None and callback.dirpath:
         return str(callback.dirpath)
     return os.path.join(trainer.log_dir or trainer.default_root_dir, CHECKPOINTS)
 
@@ -214,17 +187,15 @@ def checkpoint_dir(trainer: Any) -> str:
 def newest(directories: list[Path]) -> str | None:
     """The most recently written ``.ckpt`` in ``directories``, or None."""
     candidates = [p for d in directories if d.is_dir() for p in d.glob("*.ckpt") if p.is_file() or is_sharded(p)]
-    if not candidates:
-        return None
     # On equal times prefer last.ckpt: ModelCheckpoint writes it right after the best-* file of the same step.
-    return str(max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith(Path(LAST).stem))))
+    found = max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith(Path(LAST).stem)), default=None)
+    return None if found is None else str(found)
 
 
 def newest_under(root: str | os.PathLike, dirpath: str | os.PathLike | None = None) -> str:
     """What ``--ckpt_path last`` means: the newest ``.ckpt`` of the runs under ``root``; a ConfigError for none."""
     root = Path(root)
-    directories = [*root.glob(f"*/*/{CHECKPOINTS}"), root / CHECKPOINTS, *([Path(dirpath)] if dirpath else [])]
-    found = newest(directories)
+    found = newest([*root.glob(f"*/*/{CHECKPOINTS}"), root / CHECKPOINTS, *([Path(dirpath)] if dirpath else [])])
     if found is None:
         raise ConfigError(
             f"--ckpt_path last: no checkpoint found under '{root}' (looked in {root}/<logger>/<version>/checkpoints); "

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -30,48 +31,41 @@ from template.engine.strategies.devices import process_devices
 
 # The distributions whose versions decide what a run computes; others installed are not listed.
 PACKAGES = ("torch", "lightning", "torchmetrics", "torchdata", "jsonargparse", "numpy", "mlflow-skinny", "wandb")
-_GIT_TIMEOUT = 10  # seconds
+_GIT_COMMANDS = [
+    ("rev-parse", "HEAD"),
+    ("diff", "HEAD", "--no-color", "--no-ext-diff"),
+    ("ls-files", "--others", "--exclude-standard", "--full-name"),
+]
 
 
 def git_state(directory: str | os.PathLike) -> dict[str, Any]:
     """The commit checked out in ``directory``'s repository, whether tracked files differ from it, the diff and the
-    untracked files; outside a repository, or without git, ``commit`` is None and ``reason`` says why. Never raises.
-    """
-    commands = [
-        ("rev-parse", "HEAD"),
-        ("diff", "HEAD", "--no-color", "--no-ext-diff"),
-        ("ls-files", "--others", "--exclude-standard", "--full-name"),
-    ]
-    processes: list[subprocess.Popen] = []
-    try:
-        # All at once: a start waits for the slowest, not for the sum.
-        for args in commands:
-            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL}
-            processes.append(subprocess.Popen(["git", "-C", str(directory), *args], text=True, **pipes))
+    untracked files; outside a repository, or without git, ``commit`` is None and ``reason`` says why. Never raises."""
+
+    def git(args: tuple[str, ...]) -> subprocess.CompletedProcess:
         # Milliseconds, unless the repository is on a hung network filesystem.
-        outputs = [process.communicate(timeout=_GIT_TIMEOUT) for process in processes]
+        command = ["git", "-C", str(directory), *args]
+        return subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=10)
+
+    try:
+        with ThreadPoolExecutor(len(_GIT_COMMANDS)) as pool:  # all at once: a start waits for the slowest, not the sum
+            done = list(pool.map(git, _GIT_COMMANDS))
     except FileNotFoundError:
         return {"commit": None, "reason": "git is not installed"}
     except (OSError, subprocess.SubprocessError) as err:
         return {"commit": None, "reason": one_line(str(err))[:300]}
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    for args, process, (_, stderr) in zip(commands, processes, outputs, strict=True):
-        if process.returncode != 0:
-            reason = stderr.strip() or f"git {args[0]} exited with {process.returncode}"
+    for args, result in zip(_GIT_COMMANDS, done, strict=True):
+        if result.returncode != 0:
+            reason = result.stderr.strip() or f"git {args[0]} exited with {result.returncode}"
             return {"commit": None, "reason": one_line(reason)[:300]}
-    (commit, _), (diff, _), (untracked, _) = outputs
+    commit, diff, untracked = (result.stdout for result in done)
     return {"commit": commit.strip(), "dirty": bool(diff), "diff": diff, "untracked": untracked.splitlines()}
 
 
 def package_versions() -> dict[str, str]:
     """Versions of the installed distributions in ``PACKAGES`` and of this project's own."""
     versions = {}
-    own = __name__.split(".")[0]
-    for name in (own, *PACKAGES):
+    for name in (__name__.split(".")[0], *PACKAGES):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
     return versions
@@ -86,9 +80,7 @@ def exit_status(exception: BaseException | None) -> dict[str, Any]:
     if isinstance(exception, SIGTERMException):
         # The project's Preemption callback sets the code to 128 + the signal it stopped on (SIGTERM, SIGUSR1).
         code = exception.code if isinstance(exception.code, int) and exception.code > 128 else 128 + signal.SIGTERM
-        with contextlib.suppress(ValueError):
-            return {"status": "interrupted", "signal": signal.Signals(code - 128).name}
-        return {"status": "interrupted", "signal": f"signal {code - 128}"}
+        return {"status": "interrupted", "signal": signal.Signals(code - 128).name}
     return {"status": "failed", "error": f"{type(exception).__name__}: {one_line(str(exception))}"[:500]}
 
 
@@ -97,26 +89,20 @@ def _now() -> str:
 
 
 def _this_process(trainer: Trainer) -> dict[str, Any]:
-    names = [
-        f"{d} ({torch.cuda.get_device_name(d)})" if d.type == "cuda" else str(d)
-        for d in process_devices(trainer.strategy)
-    ]
+    devices = process_devices(trainer.strategy)
+    names = [f"{d} ({torch.cuda.get_device_name(d)})" if d.type == "cuda" else str(d) for d in devices]
     return {"host": socket.gethostname(), "devices": names}
 
 
 class Provenance(Callback):
-    """Appends this start of the run to ``<run folder>/provenance.json`` (rank 0), and how it ended.
-
-    Each entry: the command line, the git commit, whether tracked files differed from it (their diff saved beside,
-    as ``git-<n>.diff``), Python, package, torch and CUDA versions, the devices trained on, world size, nodes and host
-    names, start and end times, and the exit status. The file is rewritten atomically: a kill leaves the previous
-    version or the new one.
-    """
+    """Appends this start of the run to ``<run folder>/provenance.json`` (rank 0), and how it ended: the command line,
+    the git commit (a diff from it saved beside as ``git-<n>.diff``), Python, package, torch and CUDA versions, the
+    devices, world size, nodes and hosts, start and end times, and the exit status. Rewritten atomically."""
 
     def __init__(self) -> None:
         self._path: Path | None = None
         self._entry: dict[str, Any] | None = None
-        self._started: float | None = None
+        self._started = 0.0
         self._set_up = False
 
     @override
@@ -133,12 +119,11 @@ class Provenance(Callback):
         if not trainer.is_global_zero or log_dir is None:
             return
         self._path = Path(log_dir) / PROVENANCE
+        self._path.parent.mkdir(parents=True, exist_ok=True)
         entries = self._read()
         git = git_state(Path(__file__).resolve().parent)
-        diff = git.pop("diff", "")
-        if git.get("commit") and diff:
+        if git.get("commit") and (diff := git.pop("diff")):
             git["diff_file"] = f"git-{len(entries) + 1}.diff"
-            self._path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self._path.parent / git["diff_file"], lambda f: f.write(diff.encode()))
         self._started = time.monotonic()
         self._entry = {
@@ -170,36 +155,32 @@ class Provenance(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.finish(trainer, None)
+        self._finish(trainer, None)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self.finish(trainer, exception)
+        self._finish(trainer, exception)
 
-    def finish(self, trainer: Trainer, exception: BaseException | None) -> None:
-        """Record how this start ended; the first call counts (a test after fit does not reopen it)."""
+    def _finish(self, trainer: Trainer, exception: BaseException | None) -> None:
         if self._entry is None or self._entry["end"] is not None:
-            return
-        self._entry.update(end=_now(), seconds=round(time.monotonic() - (self._started or 0.0), 3))
-        self._entry.update(exit_status(exception), epochs=trainer.current_epoch, steps=trainer.global_step)
-        entries = self._read()
+            return  # not rank 0, or ended already (a test after fit does not reopen it)
+        self._entry.update(end=_now(), seconds=round(time.monotonic() - self._started, 3), **exit_status(exception))
+        self._entry.update(epochs=trainer.current_epoch, steps=trainer.global_step)
         try:
-            self._write(entries[:-1] + [self._entry] if entries else [self._entry])
+            self._write([*self._read()[:-1], self._entry])
         except OSError:
             if exception is None:
                 raise
             # The run failed already (often on this disk): its own error is what the user sees, not this one.
 
     def _read(self) -> list[dict[str, Any]]:
-        if self._path is None or not self._path.is_file():
-            return []
+        assert self._path is not None
         try:
             return json.loads(self._path.read_text())["starts"]
-        except (ValueError, KeyError, TypeError):
-            return []  # a file written by hand or another tool: start a new record rather than fail the run
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return []  # none yet, or a file written by hand or another tool: start a new record rather than fail
 
     def _write(self, entries: list[dict[str, Any]]) -> None:
         assert self._path is not None
         text = json.dumps({"starts": entries}, indent=1)
-        self._path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self._path, lambda f: f.write(text.encode()))

@@ -1,12 +1,11 @@
-"""``python -m template runs [ROOT]``: every run folder in one table, read from the files the runs wrote.
-
-Reads ``provenance.json``, ``config.yaml`` and ``metrics.csv`` only: it imports neither torch nor the user's code,
-so it answers in a moment and works on a machine where the runs' code no longer runs.
-"""
+"""``python -m template runs [ROOT]``: every run folder in one table, read from ``provenance.json``, ``config.yaml``
+and ``metrics.csv`` alone: without torch or the user's code it answers in a moment, also where the runs' code no
+longer runs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
@@ -23,24 +22,19 @@ import yaml
 
 from template.engine.runs import CHECKPOINTS, CONFIG, INTERRUPTED, LOGS, METRICS, PROVENANCE, configs, settled
 
-# Files any run folder holds; a folder with one of them is a run.
-_RUN_FILES = (PROVENANCE, CONFIG, METRICS)
 # Keys that differ between runs without saying anything about how they differ.
 _IGNORED_KEYS = {"ckpt_path", "run.name"}
-SAMPLES_PER_SEC = "throughput/samples_per_sec"
 HEADER = ["run", "status", "best", "epochs", "steps", "duration", "samples/s"]
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Run folders under ``root`` (its ``lightning_logs/`` when it has one), sorted by name; checkpoints skipped."""
-    if (root / LOGS).is_dir():
-        root = root / LOGS
+    """The run folders under ``root`` (those holding one of the files any run writes), sorted; checkpoints skipped."""
     found = []
-    for directory, subdirectories, files in os.walk(root):
+    for directory, subdirectories, files in os.walk(root):  # in order: each level's folders sorted
         subdirectories[:] = sorted(d for d in subdirectories if d != CHECKPOINTS and not d.startswith("."))
-        if any(name in files for name in _RUN_FILES):
+        if {PROVENANCE, CONFIG, METRICS} & set(files):
             found.append(Path(directory))
-    return sorted(found)
+    return found
 
 
 def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
@@ -55,7 +49,7 @@ def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
         epochs, steps = str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
     else:
         epochs, steps = (str(int(max(c)) + 1) if (c := _column(metrics, k)) else "-" for k in ("epoch", "step"))
-    speed = _column(metrics, SAMPLES_PER_SEC)
+    speed = _column(metrics, "throughput/samples_per_sec")
     return [
         str(folder.relative_to(root)) if folder != root else folder.name,
         _status(starts, folder),
@@ -78,46 +72,32 @@ def _read_starts(folder: Path) -> list[dict[str, Any]]:
 def _read_config(folder: Path) -> dict[str, Any]:
     # A restart with a changed config saves it beside the first: the newest is what ran last.
     for path in reversed(configs(folder)):
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError):
-            continue
-        if isinstance(loaded, dict):
-            return loaded
+        with contextlib.suppress(OSError, yaml.YAMLError):
+            if isinstance(loaded := yaml.safe_load(path.read_text()), dict):
+                return loaded
     return {}
 
 
 def _read_metrics(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics.csv, as many as can be read: a damaged file (binary junk, a row cut by a crash, a
-    header that does not parse) gives what precedes the damage, and cells that are not numbers are skipped later."""
+    """The rows of a metrics.csv up to any damage (binary junk, a row cut by a crash, a header that does not parse)."""
     rows: list[dict[str, str]] = []
-    try:
-        with path.open(newline="", errors="replace") as f:
-            for row in csv.DictReader(f):
-                rows.append({k: v for k, v in row.items() if isinstance(k, str) and isinstance(v, str)})
-    except (OSError, csv.Error):
-        pass
+    with contextlib.suppress(OSError, csv.Error), path.open(newline="", errors="replace") as f:
+        for row in csv.DictReader(f):
+            rows.append({k: v for k, v in row.items() if isinstance(k, str) and isinstance(v, str)})
     return rows
 
 
 def _column(rows: list[dict[str, str]], name: str) -> list[float]:
     values = []
     for row in rows:
-        try:
-            value = float(row.get(name) or "nan")
-        except ValueError:
-            continue
-        if not math.isnan(value):
-            values.append(value)
-    return values
+        with contextlib.suppress(ValueError):  # not a number
+            values.append(float(row.get(name) or "nan"))
+    return [value for value in values if not math.isnan(value)]
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
     if isinstance(value, dict) and value:
-        flat = {}
-        for key, item in value.items():
-            flat.update(_flatten(item, f"{prefix}{key}."))
-        return flat
+        return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}.").items()}
     # As YAML spells them: null, true, [1, 2]; strings as they are.
     return {prefix.rstrip("."): value if isinstance(value, str) else json.dumps(value)}
 
@@ -138,10 +118,8 @@ def _seconds(start: dict[str, Any]) -> float:
     if isinstance(start.get("seconds"), (int, float)):
         return float(start["seconds"])
     if start.get("status") == "running":
-        try:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
             return max(0.0, time.time() - datetime.fromisoformat(start["start"]).timestamp())
-        except (KeyError, TypeError, ValueError):
-            return 0.0
     return 0.0
 
 
@@ -182,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: '{root}' is not a folder; pass the folder that holds lightning_logs/", file=sys.stderr)
         sys.exit(2)
     base = root / LOGS if (root / LOGS).is_dir() else root
-    runs = [read_run(folder, base) for folder in find_runs(root)]
+    runs = [read_run(folder, base) for folder in find_runs(base)]
     if not runs:
         print(f"No runs under '{base}' (a run folder holds config.yaml, metrics.csv or provenance.json)")
         return
