@@ -55,10 +55,12 @@ from template.engine.runs.folder import (
     run_folder_arguments,
     run_name,
 )
+from template.engine.runs.remote import is_remote
 from template.engine.store import prove_writable
 from template.engine.strategies.compile import CompileNetwork
 from template.engine.strategies.devices import add_gpu_arguments
 from template.engine.strategies.ema import EMAOptions
+from template.engine.strategies.fsdp import is_fsdp
 from template.engine.strategies.scaling import BatchScaling
 
 PROGRAM = f"python -m {template.__name__}"
@@ -227,7 +229,7 @@ class CLI(LightningCLI):
                 self._parse(parser, args)
         config = _of_subcommand(self.config)
         preflight.check_sections(files, self.sections, config)
-        self.fit_run = settle(config, subcommand)
+        self.fit_run = settle(config, subcommand, self.folders)
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -257,9 +259,11 @@ class CLI(LightningCLI):
         subcommand, config, built = self.subcommand or "", _of_subcommand(self.config), _of_subcommand(self.config_init)
         trainer_config = built.get("trainer") or {}
         run = self.fit_run or Run(None, None, None, resume=False)
+        remote = self.folders.remote
+        local = {"default_root_dir": str(remote.local)} if remote is not None else {}  # its local copy
         kwargs = {
-            **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or []),
-            **wiring.plugins(trainer_config),
+            **wiring.loggers(trainer_config, run, built.get("trackers") or [], config.get("trackers") or [], remote),
+            **wiring.plugins(trainer_config, remote),
             **wiring.strategy(trainer_config, config.get("trainer.strategy"), built.get("watchdog")),
             **wiring.callbacks(
                 trainer_config,
@@ -270,6 +274,7 @@ class CLI(LightningCLI):
                 built.get("trackers"),
             ),
             **run_folder_arguments(run.directory, trainer_config, built.get("checkpoint")),
+            **local,
             **kwargs,
         }
         try:
@@ -327,7 +332,7 @@ class CLI(LightningCLI):
             rank_zero_info(line)
 
 
-def settle(config: Any, subcommand: str | None) -> Run | None:
+def settle(config: Any, subcommand: str | None, folders: RunFolders | None = None) -> Run | None:
     """Make the subcommand's parsed config (in place) what the run will use, as --print_config prints it and
     config.yaml saves it; the checkpoint is validated before anything reads it. For fit, the run it continues."""
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
@@ -341,21 +346,58 @@ def settle(config: Any, subcommand: str | None) -> Run | None:
     if config.get("checkpoint.filename") is None and monitor:
         # The best checkpoint's name carries the score it was chosen by, whatever metric a module monitors.
         config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
+    folders = folders or RunFolders()
+    _refuse_what_object_storage_cannot_hold(config, subcommand)
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == "last":
         root = config.get("trainer.default_root_dir") or "."
         config["ckpt_path"] = ckpt_path = newest_under(root, config.get("checkpoint.dirpath"))
         rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
+    if is_remote(ckpt_path):
+        ckpt_path = folders.download(ckpt_path, "--ckpt_path", config.get("run.storage_options"))
+        config["ckpt_path"] = ckpt_path
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
         checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
     if subcommand != "fit":
         return None
     # The run's folder, and its newest checkpoint when the same command is started again.
-    run = continue_run(config)
+    run = continue_run(config, folders)
     config["ckpt_path"] = run.ckpt_path
     if (line := run.describe()) is not None:
         rank_zero_info(line)
     return run
+
+
+def _refuse_what_object_storage_cannot_hold(config: Any, subcommand: str | None) -> None:
+    """One line for a run on object storage that could not keep its guarantees there."""
+    if is_remote(dirpath := config.get("checkpoint.dirpath")):
+        raise ConfigError(
+            f"checkpoint.dirpath={dirpath} is on object storage: set trainer.default_root_dir there instead, and the "
+            "run's checkpoints go to its folder with the run's guarantees (uploads in order, the newest named last)"
+        )
+    root = config.get("trainer.default_root_dir")
+    if not is_remote(root) or subcommand is None:  # None: a config parsed for a sweep's trials, not run
+        return
+    if subcommand != "fit":
+        raise ConfigError(
+            f"trainer.default_root_dir={root}: {subcommand} writes its logs into a new local folder; keep "
+            "default_root_dir local (--ckpt_path may name a checkpoint on object storage)"
+        )
+    if run_name(config.get("run.name")) is None:
+        raise ConfigError(
+            f"trainer.default_root_dir={root} is on object storage: a run there needs a name (--run.name, or the "
+            "scheduler's job id), by which the same command finds it again"
+        )
+    if config.get("checkpoint.save_last") == "link":
+        raise ConfigError(
+            "checkpoint.save_last=link makes last.ckpt a symbolic link, which object storage does not have; use "
+            "checkpoint.save_last: true"
+        )
+    if is_fsdp(config.get("trainer.strategy")):
+        raise ConfigError(
+            f"strategy fsdp writes each checkpoint as a folder of shards, which trainer.default_root_dir={root} "
+            "(object storage) cannot replace whole; train with strategy ddp there, or keep fsdp runs on a shared disk"
+        )
 
 
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
@@ -371,7 +413,7 @@ def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcom
         # Without a name or a logger there is no run folder of its own, only the root that checkpoints go to.
         prove_writable(config.get("trainer.default_root_dir") or ".", "--trainer.default_root_dir")
         return
-    directory = run_dir(config.get("trainer.default_root_dir"), name) if name else trainer.log_dir
+    directory = run_dir(folders.root(config.get("trainer.default_root_dir")), name) if name else trainer.log_dir
     folders.claim(directory, name, "--trainer.default_root_dir", trainer)
 
 
@@ -492,6 +534,7 @@ def main(args: list[str] | None = None) -> None:
     handlers = signal_handlers()
     folders = RunFolders()
     own: BaseException | None = None
+    reported = False
     try:
         with _quiet_libraries():
             command = COMMANDS.get(argv[0]) if argv else None
@@ -500,15 +543,19 @@ def main(args: list[str] | None = None) -> None:
             elif code := pkgutil.resolve_name(command.runs)(argv[1:]):  # a command of its own, without LightningCLI
                 sys.exit(code)
     except Exception as err:
+        reported = True
         own = _report(err, folders)
         if own is err:
             raise
     finally:
-        folders.release()
+        failure = folders.release()  # on object storage: the run's last uploads, waited for here
         if args is not None:
             # Called from Python, which goes on. Run as the program (argv), the process ends with the command: the
             # run's handlers stay, so that a signal during the interpreter's shutdown is reported, not silent.
             restore_signal_handlers(handlers)
+        if failure is not None and not reported:
+            print(f"error: {failure}", file=sys.stderr)
+            sys.exit(3)
     if own is not None:
         raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 

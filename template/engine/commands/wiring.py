@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -32,6 +33,7 @@ from template.engine.resume.checkpoints import AtomicCheckpointIO
 from template.engine.resume.continuation import Run, periodic_checkpoint
 from template.engine.runs import LOGS
 from template.engine.runs.provenance import Provenance
+from template.engine.runs.remote import RemoteRoot
 from template.engine.store import atomic_write
 from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config  # registers "dp" and "fsdp"
 from template.engine.strategies.devices import apply_matmul_precision, hide_gpus_from_cpu_run, resolve_free_devices
@@ -40,16 +42,25 @@ from template.engine.strategies.fsdp import check_ema, check_fsdp_trainer_config
 
 
 def loggers(
-    trainer_config: dict[str, Any], run: Run, trackers: list[Any], tracker_configs: list[Any]
+    trainer_config: dict[str, Any],
+    run: Run,
+    trackers: list[Any],
+    tracker_configs: list[Any],
+    remote: RemoteRoot | None = None,
 ) -> dict[str, Any]:
     """The ``logger`` argument: CSV and TensorBoard in the run's folder, then the trackers (a restarted named run's
-    continuing their tracker runs); {} keeps the config's."""
+    continuing their tracker runs); {} keeps the config's. ``remote``: the run folder is a copy of one on object
+    storage, which gets each save."""
     trackers = resume_trackers(trackers, tracker_configs, run.directory)
     logger = trainer_config.get("logger")
     if logger in (None, True):
         # The CSV logger stays first: its folder is the run's (checkpoints, config.yaml), whatever trackers add.
-        root = trainer_config.get("default_root_dir")
-        return {"logger": [*default_loggers(root, LOGS, run.name, run.resume, run.resume_step), *trackers]}
+        root = str(remote.local) if remote is not None else trainer_config.get("default_root_dir")
+        made = default_loggers(root, LOGS, run.name, run.resume, run.resume_step)
+        if remote is not None and run.directory is not None:
+            for logger in made:
+                logger.after_save = functools.partial(remote.sync, run.directory)
+        return {"logger": [*made, *trackers]}
     if not trackers:
         return {}
     if logger is False:
@@ -57,9 +68,10 @@ def loggers(
     return {"logger": [*_listed(logger), *trackers]}
 
 
-def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
-    """The ``plugins`` argument: atomic checkpoint writes, unless the config lists plugins of its own."""
-    return {"plugins": [AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
+def plugins(trainer_config: dict[str, Any], remote: RemoteRoot | None = None) -> dict[str, Any]:
+    """The ``plugins`` argument: atomic checkpoint writes (uploaded to ``remote``, a run folder on object storage),
+    unless the config lists plugins of its own."""
+    return {"plugins": [AtomicCheckpointIO(remote)]} if trainer_config.get("plugins") is None else {}
 
 
 def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatchdog | None) -> dict[str, Any]:

@@ -36,6 +36,8 @@ class _TimedSave:
     last ``save_interval`` seconds. A save that fails leaves the files as they were and is one line.
     """
 
+    after_save: Callable[[], None] | None = None  # a run folder on object storage uploads the files saved
+
     def __init__(self, *args: Any, save_interval: NonNegativeFloat = 5.0, **kwargs: Any) -> None:
         self._saves = Throttle(save_interval)
         super().__init__(*args, **kwargs)
@@ -74,6 +76,8 @@ class _TimedSave:
             for path, copy in self._files():
                 undo.enter_context(undone_on_failure(path, copy=copy))
             save()
+        if self.after_save is not None:
+            self.after_save()
 
     def _disk_errors(self, kept: str) -> contextlib.AbstractContextManager[None]:
         return disk_errors(getattr(self, "log_dir", None) or "the logs", kept)

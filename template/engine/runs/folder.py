@@ -16,8 +16,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
-from template.engine.errors import ConfigError, disk_errors
+from template.engine.errors import ConfigError, DiskError, disk_errors
 from template.engine.runs import CHECKPOINTS, LAST, is_sharded, restart_config
+from template.engine.runs.remote import Lease, RemoteRoot, is_remote
 from template.engine.store import Lock, atomic_write, prove_writable, try_lock, undone_on_failure
 
 # Lightning treats a SLURM "job" named like this as an interactive allocation, not a batch job it may requeue.
@@ -36,6 +37,7 @@ class RunOptions:
         save_every_n_steps: PositiveInt | None = None,
         preemption: bool = True,
         preemption_check_interval: NonNegativeFloat = 1.0,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         """``name``: the run's folder under ``<default_root_dir>/lightning_logs/`` (default: the scheduler's job id).
 
@@ -46,11 +48,15 @@ class RunOptions:
 
         ``preemption_check_interval``: with several processes, about how many seconds apart they compare signals
         (a collective and a GPU sync each time; the stop waits for the next comparison); 0: at every step.
+
+        ``storage_options``: fsspec's options for a ``trainer.default_root_dir`` on object storage, e.g.
+        ``{endpoint_url: http://...}``; credentials come from the environment or ~/.aws, never from here.
         """
         self.name = name
         self.save_every_n_steps = save_every_n_steps
         self.preemption = preemption
         self.preemption_check_interval = preemption_check_interval
+        self.storage_options = storage_options
 
 
 def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.environ) -> str | None:
@@ -133,6 +139,22 @@ class RunFolders:
         self.trainer: Trainer | None = None  # its global step tells whether training started
         # Each folder created, with the times of the folder it was made in, given back when it is removed again.
         self.created: dict[Path, tuple[int, int] | None] = {}
+        self.remote: RemoteRoot | None = None  # trainer.default_root_dir on object storage, written through a copy
+        self.claimed: Path | None = None
+
+    def root(self, configured: str | None, storage_options: dict[str, Any] | None = None) -> str | None:
+        """Where the run's files are written: ``configured``, or the local copy of one on object storage."""
+        if not is_remote(configured):
+            return configured
+        if self.remote is None or self.remote.url != configured.rstrip("/"):
+            self.remote = RemoteRoot(configured, storage_options)
+        return str(self.remote.local)
+
+    def download(self, url: str, option: str, storage_options: dict[str, Any] | None = None) -> str:
+        """A file on object storage (``--ckpt_path s3://...``), downloaded; its local path."""
+        if self.remote is None:
+            self.remote = RemoteRoot(url.rsplit("/", 1)[0], storage_options, option)
+        return self.remote.download(url, option)
 
     def claim(
         self, directory: str | os.PathLike, name: str | None, option: str, trainer: Trainer | None = None
@@ -143,6 +165,13 @@ class RunFolders:
         if self.lock is not None:
             self.lock.release()
         self.run_created, self.trainer = self._create(Path(directory).absolute(), option), trainer
+        if self.remote is not None and Path(directory).is_relative_to(self.remote.local):
+            # On object storage: a lease object instead of the lock, and the files of earlier starts copied here.
+            self.remote.lease = Lease(self.remote, Path(directory), name or Path(directory).name)
+            self.remote.lease.acquire()
+            self.remote.pull(Path(directory))
+            self.claimed = Path(directory)
+            return
         self.lock = try_lock(directory)
         if self.lock is None:
             which = f"run {name!r}" if name else f"the run in {Path(directory).absolute()}"
@@ -187,11 +216,24 @@ class RunFolders:
             with contextlib.suppress(OSError):
                 os.utime(created.parent, ns=times)
 
-    def release(self) -> None:
-        """Unlock the run's folder: the command has ended (the process ending does the same)."""
+    def release(self) -> str | None:
+        """Unlock the run's folder: the command has ended (the process ending does the same). On object storage, its
+        files are uploaded first: the line saying why they could not be, or None."""
         if self.lock is not None:
             self.lock.release()
         self.lock, self.run_created, self.created = None, None, {}
+        remote, self.remote = self.remote, None
+        if remote is None:
+            return None
+        try:
+            if self.claimed is not None and _global_zero():
+                remote.sync(self.claimed)
+                remote.flush()
+        except (ConfigError, DiskError) as err:
+            return str(err)
+        finally:
+            remote.close()
+        return None
 
 
 def _global_zero() -> bool:

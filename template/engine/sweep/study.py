@@ -17,6 +17,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, dist
 from template.engine.commands import preflight as config_files
 from template.engine.errors import ConfigError
 from template.engine.runs import LOGS
+from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.sweep.devices import slot_gpus
 from template.engine.sweep.driver import Driver, claim_slots
 from template.engine.sweep.folds import FOLD, prepare
@@ -82,7 +83,17 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
         configs.complete(values, what="sweep.enqueue: ")
     trainer = base.get("trainer", {})
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
-    folder = Path(trainer.get("default_root_dir") or ".") / LOGS / sweep.name
+    root, remote = trainer.get("default_root_dir") or ".", None
+    if is_remote(sweep.storage) or (is_remote(root) and (sweep.storage is None or "://" not in sweep.storage)):
+        raise ConfigError(
+            f"sweep.storage={sweep.storage}: a journal file needs appends and locks, which object storage (where "
+            f"{'it' if is_remote(sweep.storage) else 'trainer.default_root_dir=' + root} is) does not have; keep the "
+            "study in a database the machines share, e.g. sweep.storage: postgresql://user@host/db"
+        )
+    if is_remote(root):  # trial folders on object storage: written in a local copy the trials share
+        remote = RemoteRoot(root, base.get("run", {}).get("storage_options"))
+        root = remote.local
+    folder = Path(root) / LOGS / sweep.name
     storage = open_storage(sweep.storage, folder)
     if storage is not None:
         check_space(storage, sweep.name, space, folds)
@@ -90,6 +101,10 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
     storage = storage or _journal(folder / JOURNAL)
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if remote is not None:
+        remote.pull(folder, recursive=False)
+        shared = os.environ.get(COPIES)
+        os.environ[COPIES] = json.dumps({remote.url: str(remote.local)})
     slots = claim_slots(folder, sweep.workers)
     try:
         study = open_study(sweep, space, storage, folds)
@@ -108,6 +123,14 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
         for fd in slots.values():
             os.close(fd)
         optuna.logging.set_verbosity(verbosity)
+        if remote is not None:  # the sweep's own files (trial configs and logs, results); each trial uploads its run
+            if shared is None:
+                del os.environ[COPIES]
+            else:
+                os.environ[COPIES] = shared
+            remote.sync(folder, recursive=False)
+            remote.flush()
+            remote.close()
 
 
 def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage | None:
