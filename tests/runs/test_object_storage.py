@@ -213,7 +213,7 @@ def test_one_start_at_a_time_and_a_stale_lease_is_taken_over(s3: S3, tmp_path: P
     root = f"{s3.bucket()}/runs"
     env = _env(s3, tmp_path)
     command = [*FIT, f"--trainer.default_root_dir={root}"]
-    proc = _start([*command, *_paced(tmp_path, delay=1.0)], tmp_path, env)
+    proc = _start([*command, *_paced(tmp_path, delay=1.0), "--trainer.max_epochs=20"], tmp_path, env)
     lease = f"{root[5:]}/lightning_logs/r/lease.json"
     _wait_for(lambda: s3.fs().exists(lease), "the lease")
     second = _run(command, tmp_path, env)

@@ -141,6 +141,7 @@ class RunFolders:
         self.created: dict[Path, tuple[int, int] | None] = {}
         self.remote: RemoteRoot | None = None  # trainer.default_root_dir on object storage, written through a copy
         self.claimed: Path | None = None
+        self.read: list[RemoteRoot] = []  # stores a checkpoint was read from
 
     def root(self, configured: str | None, storage_options: dict[str, Any] | None = None) -> str | None:
         """Where the run's files are written: ``configured``, or the local copy of one on object storage."""
@@ -151,10 +152,9 @@ class RunFolders:
         return str(self.remote.local)
 
     def download(self, url: str, option: str, storage_options: dict[str, Any] | None = None) -> str:
-        """A file on object storage (``--ckpt_path s3://...``), downloaded; its local path."""
-        if self.remote is None:
-            self.remote = RemoteRoot(url.rsplit("/", 1)[0], storage_options, option)
-        return self.remote.download(url, option)
+        """A file on object storage (``--ckpt_path s3://...``), downloaded until the command ends; its local path."""
+        self.read.append(RemoteRoot(url.rsplit("/", 1)[0], storage_options, option))
+        return self.read[-1].download(url, option)
 
     def claim(
         self, directory: str | os.PathLike, name: str | None, option: str, trainer: Trainer | None = None
@@ -222,12 +222,14 @@ class RunFolders:
         if self.lock is not None:
             self.lock.release()
         self.lock, self.run_created, self.created = None, None, {}
-        remote, self.remote = self.remote, None
+        for store in self.read:
+            store.close()
+        remote, claimed, self.remote, self.claimed, self.read = self.remote, self.claimed, None, None, []
         if remote is None:
             return None
         try:
-            if self.claimed is not None and _global_zero():
-                remote.sync(self.claimed)
+            if claimed is not None and _global_zero():
+                remote.sync(claimed)
                 remote.flush()
         except (ConfigError, DiskError) as err:
             return str(err)

@@ -11,7 +11,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import optuna
+from fsspec.utils import get_protocol
 from optuna.distributions import BaseDistribution, CategoricalDistribution, distribution_to_json
 
 from template.engine.commands import preflight as config_files
@@ -84,11 +86,12 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
     trainer = base.get("trainer", {})
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
     root, remote = trainer.get("default_root_dir") or ".", None
-    if is_remote(sweep.storage) or (is_remote(root) and (sweep.storage is None or "://" not in sweep.storage)):
+    on_store = is_remote(sweep.storage) and get_protocol(sweep.storage) in fsspec.available_protocols()
+    if on_store or (is_remote(root) and (sweep.storage is None or "://" not in sweep.storage)):
         raise ConfigError(
             f"sweep.storage={sweep.storage}: a journal file needs appends and locks, which object storage (where "
-            f"{'it' if is_remote(sweep.storage) else 'trainer.default_root_dir=' + root} is) does not have; keep the "
-            "study in a database the machines share, e.g. sweep.storage: postgresql://user@host/db"
+            f"{'it' if on_store else 'trainer.default_root_dir=' + root} is) does not have; keep the study in a "
+            "database the machines share, e.g. sweep.storage: postgresql://user@host/db"
         )
     if is_remote(root):  # trial folders on object storage: written in a local copy the trials share
         remote = RemoteRoot(root, base.get("run", {}).get("storage_options"))
