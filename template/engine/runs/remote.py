@@ -30,6 +30,7 @@ COPIES = "RUN_FOLDER_COPIES"  # JSON {url: local folder}: a sweep hands its tria
 # Bounded waits on a store that does not answer; s3fs's own defaults retry for minutes.
 _S3_OPTIONS = {
     "use_listings_cache": False,
+    "skip_instance_cache": True,
     "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
 }
 _SECRETS = ("key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
