@@ -216,12 +216,16 @@ def test_one_start_at_a_time_and_a_stale_lease_is_taken_over(s3: S3, tmp_path: P
     proc = _start([*command, *_paced(tmp_path, delay=1.0), "--trainer.max_epochs=20"], tmp_path, env)
     lease = f"{root[5:]}/lightning_logs/r/lease.json"
     _wait_for(lambda: s3.fs().exists(lease), "the lease")
+    expires = json.loads(s3.fs().cat(lease))["expires"]
+    _wait_for(lambda: json.loads(s3.fs().cat(lease))["expires"] > expires, "a renewal of the lease", timeout=60)
     second = _run(command, tmp_path, env)
     line = _one_error(second, 2)
     assert "run 'r' is already running on " in line and f"PID {proc.pid}" in line, line
+    _wait_for(lambda: any("best-" in k for k in s3.fs().find(f"{root[5:]}/lightning_logs/r/checkpoints")), "a best")
     os.killpg(proc.pid, signal.SIGTERM)
     assert finish(proc, WAIT) == 143
     assert not s3.fs().exists(lease)  # released when the run stopped
+    first = {k for k in s3.fs().find(f"{root[5:]}/lightning_logs/r/checkpoints") if "best-" in k}
     # A lease whose holder died without releasing it: expired (another host), or on this host with its PID gone.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
@@ -232,6 +236,8 @@ def test_one_start_at_a_time_and_a_stale_lease_is_taken_over(s3: S3, tmp_path: P
         done = _run([*command, "--trainer.max_epochs=3"], tmp_path, env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert time.monotonic() - started < 120  # taken over at once, not after an hour
+    # Later starts' best checkpoints replaced each other, never the first start's (Lightning #21813 on object stores).
+    assert first <= set(s3.fs().find(f"{root[5:]}/lightning_logs/r/checkpoints")), first
 
 
 @pytest.mark.slow
@@ -355,6 +361,44 @@ def test_each_mistake_is_one_line_before_anything_is_written(
     assert time.monotonic() - started < 60  # a store that does not answer is given up on in bounded time
     assert in_process.fs().find(bucket.removeprefix("s3://")) == []  # nothing written there
     assert {p.name for p in tmp_path.iterdir()} == {"tmp"} and not list((tmp_path / "tmp").iterdir())
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused(
+    in_process: S3,
+    monkeypatch: pytest.MonkeyPatch,
+    run_main,  # noqa: ANN001
+) -> None:
+    import s3fs
+
+    pipe = s3fs.S3FileSystem._pipe_file
+
+    async def ignoring(self, path, data, *args, mode="overwrite", **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return await pipe(self, path, data, *args, **kwargs)  # If-None-Match dropped, as some stores do
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", ignoring)
+    bucket = in_process.bucket()
+    line = _one_error(run_main(*FIT, f"--trainer.default_root_dir={bucket}/runs"), 2)
+    assert "ignores conditional writes (If-None-Match)" in line and bucket in line, line
+
+
+@pytest.mark.slow
+def test_refused_credentials_are_one_line(s3: S3, tmp_path: Path) -> None:
+    # A server of its own that checks keys (moto's INITIAL_NO_AUTH_ACTION_COUNT): the test's key is unknown there.
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", f"from moto.server import ThreadedMotoServer as S; import time; s = S(ip_address="
+         f"'127.0.0.1', port={port}, verbose=False); s.start(); time.sleep(600)"],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        _wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, "the server", timeout=60)
+        done = _run([*FIT, "--trainer.default_root_dir=s3://any/runs"], tmp_path, _env(s3, tmp_path, endpoint))
+        line = _one_error(done, 2)
+        assert "credentials for s3://any/runs are missing or refused" in line and S3_SECRET not in done.stderr, line
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
 
 
 def test_without_s3fs_the_line_names_the_extra(s3: S3, tmp_path: Path) -> None:
