@@ -47,7 +47,7 @@ class Lock:
 
 def try_lock(path: str | os.PathLike) -> Lock | None:
     """Lock the folder or file ``path`` for this process; None while another process has it."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY if os.path.isdir(path) else os.O_RDONLY | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -47,6 +47,7 @@ from template.engine.resume.states import RNGStateCheckpoint
 from template.engine.runs import LOGS, folder, run_dir
 from template.engine.runs.folder import RunConfigCallback, RunFolders, RunOptions, newest_under, run_folder_arguments
 from template.engine.runs.provenance import Provenance
+from template.engine.runs.remote import RemoteRoot, is_remote
 from template.engine.store import atomic_write, prove_writable
 from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config, devices, fsdp  # registers dp, fsdp
 from template.engine.strategies.compile import CompileNetwork
@@ -206,7 +207,7 @@ class CLI(LightningCLI):
                 self._parse(parser, args)
         config = _of_subcommand(self.config)
         preflight.check_sections(files, self.sections, config)
-        self.fit_run = settle(config, subcommand)
+        self.fit_run = settle(config, subcommand, self.folders)
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -228,12 +229,15 @@ class CLI(LightningCLI):
         subcommand, config, built = self.subcommand or "", _of_subcommand(self.config), _of_subcommand(self.config_init)
         trainer_config, watchdog, trackers = built.get("trainer") or {}, built.get("watchdog"), built.get("trackers")
         run = self.fit_run or Run(None, None, None, resume=False)
+        remote = self.folders.remote
+        local = {"default_root_dir": str(remote.local)} if remote is not None else {}  # its local copy
         kwargs = {
-            **loggers(trainer_config, run, trackers or [], config.get("trackers") or []),
-            **plugins(trainer_config),
+            **loggers(trainer_config, run, trackers or [], config.get("trackers") or [], remote),
+            **plugins(trainer_config, remote),
             **strategy(trainer_config, config.get("trainer.strategy"), watchdog),
             **callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema"), trackers),
             **run_folder_arguments(run.directory, trainer_config, built.get("checkpoint")),
+            **local,
             **kwargs,
         }
         try:
@@ -315,7 +319,7 @@ class CLI(LightningCLI):
             rank_zero_info(f"Best checkpoint: {checkpoint.best_model_path} ({checkpoint.monitor}={score:.4f})")
 
 
-def settle(config: Any, subcommand: str | None) -> Run | None:
+def settle(config: Any, subcommand: str | None, folders: RunFolders | None = None) -> Run | None:
     """Make the subcommand's parsed config (in place) what the run will use, as --print_config prints it and
     config.yaml saves it; the checkpoint is validated before anything reads it. For fit, the run it continues."""
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
@@ -328,20 +332,57 @@ def settle(config: Any, subcommand: str | None) -> Run | None:
         config["checkpoint.save_top_k"] = 0
     if config.get("checkpoint.filename") is None and monitor:
         config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
+    folders = folders or RunFolders()
+    _refuse_what_object_storage_cannot_hold(config, subcommand)
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == "last":
         root = config.get("trainer.default_root_dir") or "."
         config["ckpt_path"] = ckpt_path = newest_under(root, config.get("checkpoint.dirpath"))
         rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
+    if is_remote(ckpt_path):
+        ckpt_path = folders.download(ckpt_path, "--ckpt_path", config.get("run.storage_options"))
+        config["ckpt_path"] = ckpt_path
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
         checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
     if subcommand != "fit":
         return None
-    run = continue_run(config)  # the run's folder, and its newest checkpoint when the same command starts again
+    run = continue_run(config, folders)  # the run's folder, and its newest checkpoint when the same command restarts
     config["ckpt_path"] = run.ckpt_path
     if (line := run.describe()) is not None:
         rank_zero_info(line)
     return run
+
+
+def _refuse_what_object_storage_cannot_hold(config: Any, subcommand: str | None) -> None:
+    """One line for a run on object storage that could not keep its guarantees there."""
+    if is_remote(dirpath := config.get("checkpoint.dirpath")):
+        raise ConfigError(
+            f"checkpoint.dirpath={dirpath} is on object storage: set trainer.default_root_dir there instead, and the "
+            "run's checkpoints go to its folder with the run's guarantees (uploads in order, the newest named last)"
+        )
+    root = config.get("trainer.default_root_dir")
+    if not is_remote(root) or subcommand is None:  # None: a config parsed for a sweep's trials, not run
+        return
+    if subcommand != "fit":
+        raise ConfigError(
+            f"trainer.default_root_dir={root}: {subcommand} writes its logs into a new local folder; keep "
+            "default_root_dir local (--ckpt_path may name a checkpoint on object storage)"
+        )
+    if folder.run_name(config.get("run.name")) is None:
+        raise ConfigError(
+            f"trainer.default_root_dir={root} is on object storage: a run there needs a name (--run.name, or the "
+            "scheduler's job id), by which the same command finds it again"
+        )
+    if config.get("checkpoint.save_last") == "link":
+        raise ConfigError(
+            "checkpoint.save_last=link makes last.ckpt a symbolic link, which object storage does not have; use "
+            "checkpoint.save_last: true"
+        )
+    if fsdp.is_fsdp(config.get("trainer.strategy")):
+        raise ConfigError(
+            f"strategy fsdp writes each checkpoint as a folder of shards, which trainer.default_root_dir={root} "
+            "(object storage) cannot replace whole; train with strategy ddp there, or keep fsdp runs on a shared disk"
+        )
 
 
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
@@ -355,7 +396,7 @@ def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcom
         # Without a name or a logger there is no run folder, only the root that checkpoints go to.
         prove_writable(config.get("trainer.default_root_dir") or ".", "--trainer.default_root_dir")
         return
-    directory = run_dir(config.get("trainer.default_root_dir"), name) if name else trainer.log_dir
+    directory = run_dir(folders.root(config.get("trainer.default_root_dir")), name) if name else trainer.log_dir
     folders.claim(directory, name, "--trainer.default_root_dir")
 
 
@@ -417,14 +458,19 @@ class _attribute:  # noqa: N801 - used like a function in the links above
         return list(value) if isinstance(value, tuple) else value
 
 
-def loggers(trainer_config: dict[str, Any], run: Run, trackers: list[Any], configs: list[Any]) -> dict[str, Any]:
+def loggers(
+    trainer_config: dict[str, Any], run: Run, trackers: list[Any], configs: list[Any], remote: RemoteRoot | None = None
+) -> dict[str, Any]:
     """The ``logger`` argument: CSV (first: its folder is the run's), TensorBoard, then the trackers (a restarted
-    run's continuing their tracker runs); {} keeps the config's."""
+    run's continuing their tracker runs); {} keeps the config's. On object storage (``remote``) each save uploads."""
     trackers = tracking.resume_trackers(trackers, configs, run.directory)
     logger = trainer_config.get("logger")
     if logger in (None, True):
-        root = trainer_config.get("default_root_dir")
-        return {"logger": [*run_loggers(root, LOGS, run.name, run.resume, run.resume_step), *trackers]}
+        root = str(remote.local) if remote is not None else trainer_config.get("default_root_dir")
+        made = run_loggers(root, LOGS, run.name, run.resume, run.resume_step)
+        for each in made if remote is not None and run.directory is not None else []:
+            each.after_save = functools.partial(remote.sync, run.directory)
+        return {"logger": [*made, *trackers]}
     if not trackers:
         return {}
     if logger is False:
@@ -432,9 +478,10 @@ def loggers(trainer_config: dict[str, Any], run: Run, trackers: list[Any], confi
     return {"logger": [*_listed(logger), *trackers]}
 
 
-def plugins(trainer_config: dict[str, Any]) -> dict[str, Any]:
-    """The ``plugins`` argument: atomic checkpoint writes, unless the config lists plugins of its own."""
-    return {"plugins": [checkpoints.AtomicCheckpointIO()]} if trainer_config.get("plugins") is None else {}
+def plugins(trainer_config: dict[str, Any], remote: RemoteRoot | None = None) -> dict[str, Any]:
+    """The ``plugins`` argument: atomic checkpoint writes (each uploaded, on object storage), unless the config lists
+    plugins of its own."""
+    return {"plugins": [checkpoints.AtomicCheckpointIO(remote)]} if trainer_config.get("plugins") is None else {}
 
 
 def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatchdog | None) -> dict[str, Any]:
@@ -593,6 +640,7 @@ def main(args: list[str] | None = None) -> None:
     handlers = signal_handlers()
     folders = RunFolders()
     own: BaseException | None = None
+    reported = False
     try:
         with _quiet_libraries():
             command = COMMANDS.get(argv[0]) if argv else None
@@ -601,14 +649,18 @@ def main(args: list[str] | None = None) -> None:
             elif code := pkgutil.resolve_name(command.runs)(argv[1:]):  # a command of its own, without LightningCLI
                 sys.exit(code)
     except Exception as err:
+        reported = True
         own = _report(err, folders)
         if own is err:
             raise
     finally:
-        folders.release()
+        failure = folders.release()  # on object storage: the run's last uploads, waited for here
         if args is not None:
             # Called from Python, which goes on; a program keeps them, to report a signal during its shutdown.
             restore_signal_handlers(handlers)
+        if failure is not None and not reported:
+            print(f"error: {failure}", file=sys.stderr)
+            sys.exit(3)
     if own is not None:
         raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 

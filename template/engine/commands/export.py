@@ -23,6 +23,7 @@ from template.engine.commands.cli import CLI, PROGRAM, build_cli
 from template.engine.errors import ConfigError, disk_errors, one_line
 from template.engine.resume import checkpoints
 from template.engine.runs import config_of
+from template.engine.runs.remote import RemoteRoot, is_remote
 from template.engine.store import atomic_torch_save
 
 # Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
@@ -173,15 +174,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.format == "weights" and (args.module or args.config):
         raise ConfigError("--module and --config are for --format onnx; the weights need neither")
-    output = Path(args.output or Path(args.ckpt_path).with_suffix(".onnx" if args.format == "onnx" else ".pt"))
-    if output.resolve() == Path(args.ckpt_path).resolve():
-        raise ConfigError(f"--output '{output}' is the checkpoint itself; choose another file name")
-    if args.format == "onnx":
-        checked = export_onnx(args.ckpt_path, output, args.config or [], args.prefix, args.module)
-        print(f"Wrote {output}, {checked}: onnxruntime.InferenceSession('{output}').run(None, {{'input': x}})")
-        return
-    state = extract_state_dict(checkpoints.load(args.ckpt_path), args.prefix, source=f"'{args.ckpt_path}'")
-    with disk_errors(output, kept="nothing was written at --output", option="--output"):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(state, output)  # atomic: a failed write leaves nothing at --output
-    print(f"Wrote {output}: net.load_state_dict(torch.load('{output}', weights_only=True))")
+    target = args.output or re.sub(r"\.[^./]*$", "", args.ckpt_path) + (".onnx" if args.format == "onnx" else ".pt")
+    if target == args.ckpt_path or (not is_remote(target) and Path(target).resolve() == Path(args.ckpt_path).resolve()):
+        raise ConfigError(f"--output '{target}' is the checkpoint itself; choose another file name")
+    remote = next(
+        (RemoteRoot(url.rsplit("/", 1)[0], option="export") for url in (args.ckpt_path, target) if is_remote(url)), None
+    )
+    try:
+        ckpt, configs = args.ckpt_path, args.config or []
+        if is_remote(ckpt):  # read from object storage; the run's config.yaml too, for onnx
+            ckpt = remote.download(args.ckpt_path, "export's CKPT")
+            if args.format == "onnx" and not configs:
+                configs = [remote.download(str(config_of(args.ckpt_path)), "--config")]
+        output = Path(remote.fetched / "export" / Path(target).name) if is_remote(target) else Path(target)
+        if args.format == "onnx":
+            checked = export_onnx(ckpt, output, configs, args.prefix, args.module)
+            done = f"{checked}: onnxruntime.InferenceSession('{target}').run(None, {{'input': x}})"
+        else:
+            state = extract_state_dict(checkpoints.load(ckpt), args.prefix, source=f"'{args.ckpt_path}'")
+            with disk_errors(output, kept="nothing was written at --output", option="--output"):
+                output.parent.mkdir(parents=True, exist_ok=True)
+                atomic_torch_save(state, output)  # atomic: a failed write leaves nothing at --output
+            done = f"net.load_state_dict(torch.load('{target}', weights_only=True))"
+        if is_remote(target):
+            remote.upload(output, target)
+    finally:
+        if remote is not None:
+            remote.close()
+    print(f"Wrote {target}, {done}" if args.format == "onnx" else f"Wrote {target}: {done}")

@@ -39,6 +39,8 @@ class _TimedSave:
     (Lightning-AI/pytorch-lightning#4664), which costs more than a small model's step. A failed write changes no file.
     """
 
+    after_save: Callable[[], None] | None = None  # a run folder on object storage uploads the files saved
+
     def __init__(self, *args: Any, save_interval: NonNegativeFloat = 5.0, **kwargs: Any) -> None:
         self._saves = Throttle(save_interval)
         super().__init__(*args, **kwargs)
@@ -91,6 +93,8 @@ class _TimedSave:
             for path, copy in self._files():
                 undo.enter_context(undone_on_failure(path, copy=copy))
             save()
+        if self.after_save is not None:
+            self.after_save()
 
 
 class LogsBeforeCheckpoints(Callback):

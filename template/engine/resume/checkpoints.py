@@ -23,6 +23,7 @@ from template.engine.internals import SHARDED_METADATA, save_last_where_skipped
 from template.engine.logs.console import Mechanism
 from template.engine.runs import is_sharded
 from template.engine.runs.folder import checkpoint_dir
+from template.engine.runs.remote import RemoteRoot
 from template.engine.store import atomic_torch_save
 from template.engine.strategies.fsdp import is_fsdp
 
@@ -144,20 +145,33 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves survive SIGKILL at any moment and whose loads are ``weights_only``."""
+    """``TorchCheckpointIO`` whose saves survive SIGKILL at any moment and whose loads are ``weights_only``. With a
+    ``remote`` run folder (object storage) each checkpoint is then uploaded whole, in the background, and named the
+    run's newest once its upload completed."""
 
     announcement = Mechanism(
         "atomic checkpoints", "written beside the target, fsynced, renamed; loaded weights-only", "--trainer.plugins=[]"
     )
 
+    def __init__(self, remote: RemoteRoot | None = None) -> None:
+        super().__init__()
+        self.remote = remote
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         if storage_options is not None or get_protocol(str(path)) != "file":
-            # Remote stores (s3://, gs://...) have their own atomic uploads; Lightning's path handles them.
-            super().save_checkpoint(checkpoint, path, storage_options)
+            super().save_checkpoint(checkpoint, path, storage_options)  # a store of the user's, through Lightning
             return
         with disk_errors(path, kept="any previous checkpoint there is intact"):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(checkpoint, path)
+        if self.remote is not None:
+            self.remote.push(Path(path), newest=True)
+            self.remote.sync(Path(path).parent.parent)  # the logs up to this checkpoint too
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        super().remove_checkpoint(path)
+        if self.remote is not None:
+            self.remote.remove(Path(path))
 
     @override
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

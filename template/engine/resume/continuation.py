@@ -13,7 +13,7 @@ from template.engine.logs.console import Mechanism
 from template.engine.resume import checkpoints
 from template.engine.resume.states import exact_resume_point
 from template.engine.runs import CHECKPOINTS, LAST_STEP, run_dir
-from template.engine.runs.folder import checkpoint_dir, newest, run_name
+from template.engine.runs.folder import RunFolders, checkpoint_dir, newest, run_name
 
 
 @dataclass
@@ -40,9 +40,10 @@ class Run:
         return f"Run {self.name} ({self.directory}): resuming from {self.ckpt_path} (epoch {epoch}, step {step})"
 
 
-def continue_run(config: Any) -> Run:
+def continue_run(config: Any, folders: RunFolders | None = None) -> Run:
     """The run of a ``fit`` config and, when no ``ckpt_path`` is given, its newest checkpoint; the checkpoint is
-    checked (``checkpoints.check``), once: the Run keeps what the rest of the start needs of it."""
+    checked (``checkpoints.check``), once: the Run keeps what the rest of the start needs of it. ``folders``: the
+    command's, which copies a run folder on object storage locally."""
     name = run_name(config.get("run.name"))
     ckpt_path = config.get("ckpt_path")
     options = {
@@ -52,15 +53,22 @@ def continue_run(config: Any) -> Run:
     }
     if name is None:
         return Run(None, None, ckpt_path, resume=False, **options)
-    directory = run_dir(config.get("trainer.default_root_dir"), name)
-    if ckpt_path is None:
+    folders = folders or RunFolders()
+    root = folders.root(config.get("trainer.default_root_dir"), config.get("run.storage_options"))
+    directory = run_dir(root, name)
+    remote = folders.remote
+    if ckpt_path is None and remote is not None:
+        ckpt_path = remote.newest(directory / CHECKPOINTS)
+    elif ckpt_path is None:
         dirpath = config.get("checkpoint.dirpath")
         ckpt_path = newest([directory / CHECKPOINTS, *([Path(dirpath)] if dirpath else [])])
     step = epoch = None
     if ckpt_path is not None and ckpt_path not in checkpoints.SPECIAL_PATHS:
-        checked = checkpoints.check(ckpt_path, f"the run's folder {directory}", strategy=config.get("trainer.strategy"))
+        option = f"the run's folder {remote.url_of(directory) if remote else directory}"
+        checked = checkpoints.check(ckpt_path, option, strategy=config.get("trainer.strategy"))
         step, epoch = checked.get("global_step"), checked.get("epoch")
-    return Run(name, directory, ckpt_path, resume=directory.is_dir(), **options, resume_step=step, resume_epoch=epoch)
+    resume = remote.exists(directory) if remote is not None else directory.is_dir()
+    return Run(name, directory, ckpt_path, resume=resume, **options, resume_step=step, resume_epoch=epoch)
 
 
 class PeriodicCheckpoint(Callback):

@@ -39,8 +39,10 @@ def _restarts(folder: Path) -> dict[int, Path]:
     return {int(n): p for p in folder.glob("config.restart-*.yaml") if (n := p.name[15:-5]).isdigit()}
 
 
-def config_of(checkpoint: str | os.PathLike) -> Path:
-    """The ``config.yaml`` of the run a checkpoint in its ``checkpoints/`` folder belongs to."""
+def config_of(checkpoint: str | os.PathLike) -> Path | str:
+    """The ``config.yaml`` of the run a checkpoint in its ``checkpoints/`` folder belongs to (a URL's, a URL)."""
+    if "://" in str(checkpoint):
+        return f"{str(checkpoint).rsplit('/', 2)[0]}/{CONFIG}"
     return Path(checkpoint).resolve().parent.parent / CONFIG
 
 

@@ -17,8 +17,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
-from template.engine.errors import ConfigError, disk_errors
+from template.engine.errors import ConfigError, DiskError, disk_errors
 from template.engine.runs import CHECKPOINTS, LAST, is_sharded, restart_config
+from template.engine.runs.remote import Lease, RemoteRoot, is_remote
 from template.engine.store import Lock, atomic_write, prove_writable, try_lock, undone_on_failure
 
 _PART = "[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -37,12 +38,15 @@ class RunOptions:
         preemption: on SIGTERM, SIGUSR1 or Ctrl-C write ``checkpoints/interrupted.ckpt`` (and requeue a SLURM job).
         preemption_check_interval: with several processes, about how many seconds apart they compare signals (a
             collective and a GPU sync each time; the stop waits for the next comparison); 0: at every step.
+        storage_options: fsspec's options for a ``trainer.default_root_dir`` on object storage, e.g.
+            ``{endpoint_url: http://...}``; credentials come from the environment or ~/.aws, never from here.
     """
 
     name: str | None = None
     save_every_n_steps: PositiveInt | None = None
     preemption: bool = True
     preemption_check_interval: NonNegativeFloat = 1.0
+    storage_options: dict[str, Any] | None = None
 
 
 def run_name(configured: str | None, environ: os._Environ | dict[str, str] = os.environ) -> str | None:
@@ -118,6 +122,22 @@ class RunFolders:
         self.trainer: Trainer | None = None  # the command's: its global step tells whether training started
         # Each folder created, with the times of the folder it was made in, given back when it is removed again.
         self.created: dict[Path, tuple[int, int]] = {}
+        self.remote: RemoteRoot | None = None  # trainer.default_root_dir on object storage, written through a copy
+        self.claimed: Path | None = None
+        self.read: list[RemoteRoot] = []  # stores a checkpoint was read from
+
+    def root(self, configured: str | None, storage_options: dict[str, Any] | None = None) -> str | None:
+        """Where the run's files are written: ``configured``, or the local copy of one on object storage."""
+        if not is_remote(configured):
+            return configured
+        if self.remote is None or self.remote.url != configured.rstrip("/"):
+            self.remote = RemoteRoot(configured, storage_options)
+        return str(self.remote.local)
+
+    def download(self, url: str, option: str, storage_options: dict[str, Any] | None = None) -> str:
+        """A file on object storage (``--ckpt_path s3://...``), downloaded until the command ends; its local path."""
+        self.read.append(RemoteRoot(url.rsplit("/", 1)[0], storage_options, option))
+        return self.read[-1].download(url, option)
 
     def claim(self, directory: str | os.PathLike, name: str | None, option: str) -> None:
         """Create ``directory`` if needed, prove it writable and lock it; a ConfigError when another process has it."""
@@ -125,6 +145,13 @@ class RunFolders:
             return
         directory = Path(directory).absolute()
         self.run_created = self._create(directory, option)
+        if self.remote is not None and directory.is_relative_to(self.remote.local):
+            # On object storage: a lease object instead of the lock, and the files of earlier starts copied here.
+            self.remote.lease = Lease(self.remote, directory, name or directory.name)
+            self.remote.lease.acquire()
+            self.remote.pull(directory)
+            self.claimed = directory
+            return
         self.lock = try_lock(directory)
         if self.lock is None:
             which = f"run {name!r}" if name else f"the run in {directory}"
@@ -164,10 +191,25 @@ class RunFolders:
         with contextlib.suppress(OSError):
             os.utime(created.parent, ns=self.created.pop(created))  # the parent's times, as before
 
-    def release(self) -> None:
-        """Unlock the run's folder: the command has ended (the process ending does the same)."""
+    def release(self) -> str | None:
+        """Unlock the run's folder: the command has ended (the process ending does the same). On object storage, its
+        files are uploaded first: the line saying why they could not be, or None."""
         if self.lock is not None:
             self.lock.release()
+        for store in self.read:
+            store.close()
+        remote, claimed, self.remote, self.claimed, self.read = self.remote, self.claimed, None, None, []
+        if remote is None:
+            return None
+        try:
+            if claimed is not None and _global_zero():
+                remote.sync(claimed)
+                remote.flush()
+        except (ConfigError, DiskError) as err:
+            return str(err)
+        finally:
+            remote.close()
+        return None
 
 
 def _global_zero() -> bool:

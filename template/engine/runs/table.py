@@ -155,7 +155,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("root", nargs="?", default=".", help="a folder holding lightning_logs/, or run folders")
     parser.add_argument("--csv", metavar="FILE", help="also write the table to FILE as CSV")
     args = parser.parse_args(argv)
-    root = Path(args.root)
+    root, remote = Path(args.root), None
+    if "://" in args.root:  # object storage: its runs' files read in a local copy (fsspec, no torch)
+        from template.engine.runs.remote import RemoteRoot
+
+        remote = RemoteRoot(args.root, option="runs ROOT")
+        root = remote.fetch_all(
+            lambda name: name in (PROVENANCE, CONFIG, METRICS) or name.startswith("config.restart-")
+        )
+    try:
+        _print(root, args.csv)
+    finally:
+        if remote is not None:
+            remote.close()
+
+
+def _print(root: Path, csv_path: str | None) -> None:
     if not root.is_dir():
         print(f"error: '{root}' is not a folder; pass the folder that holds lightning_logs/", file=sys.stderr)
         sys.exit(2)
@@ -166,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     header, rows = table(runs)
     print(format_table(header, rows))
-    if args.csv:
+    if csv_path:
         text = io.StringIO(newline="")
         csv.writer(text).writerows([header, *rows])
         # Imported here: they import torch, which reading the runs does not need.
@@ -174,6 +189,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         from template.engine.store import atomic_write
 
         # Atomically: a kill or a full disk leaves the previous file (a failure of the disk is one line, exit 3).
-        with disk_errors(args.csv, kept="the table is printed above", option="--csv"):
-            atomic_write(args.csv, lambda f: f.write(text.getvalue().encode()))
-        print(f"Wrote {args.csv}")
+        with disk_errors(csv_path, kept="the table is printed above", option="--csv"):
+            atomic_write(csv_path, lambda f: f.write(text.getvalue().encode()))
+        print(f"Wrote {csv_path}")

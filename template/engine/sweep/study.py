@@ -11,6 +11,7 @@ import inspect
 import io
 import json
 import logging.handlers
+import os
 import pydoc
 import re
 import statistics
@@ -20,8 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import optuna
 import yaml
+from fsspec.utils import get_protocol
 from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningDataModule
 from optuna.distributions import BaseDistribution, CategoricalDistribution, distribution_to_json
@@ -30,6 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 from template.engine.commands import preflight as config_files
 from template.engine.errors import ConfigError, config_error_in
 from template.engine.runs import METRICS, run_dir
+from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.runs.table import format_table
 from template.engine.store import atomic_write
 from template.engine.sweep.driver import FOLD_SCORES, Driver, claim_slots, slot_gpus, who
@@ -134,7 +138,18 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
         configs.complete(values, what="sweep.enqueue: ")
     trainer = base.get("trainer", {})
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
-    folder = run_dir(trainer.get("default_root_dir"), sweep.name)
+    root, remote = trainer.get("default_root_dir") or ".", None
+    on_store = is_remote(sweep.storage) and get_protocol(sweep.storage) in fsspec.available_protocols()
+    if on_store or (is_remote(root) and (sweep.storage is None or "://" not in sweep.storage)):
+        raise ConfigError(
+            f"sweep.storage={sweep.storage}: a journal file needs appends and locks, which object storage (where "
+            f"{'it' if on_store else 'trainer.default_root_dir=' + root} is) does not have; keep the study in a "
+            "database the machines share, e.g. sweep.storage: postgresql://user@host/db"
+        )
+    if is_remote(root):  # trial folders on object storage: written in a local copy the trials share
+        remote = RemoteRoot(root, base.get("run", {}).get("storage_options"))
+        root = remote.local
+    folder = run_dir(root, sweep.name)
     storage = open_storage(sweep.storage, folder)
     if storage is not None:
         check_space(storage, sweep.name, space, folds)
@@ -142,6 +157,10 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
     storage = storage or _journal(folder / JOURNAL)
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if remote is not None:
+        remote.pull(folder, recursive=False)
+        shared = os.environ.get(COPIES)
+        os.environ[COPIES] = json.dumps({remote.url: str(remote.local)})
     slots = claim_slots(folder, sweep.workers)
     try:
         study = open_study(sweep, space, storage, folds)
@@ -160,6 +179,14 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
         for lock in slots.values():
             lock.release()
         optuna.logging.set_verbosity(verbosity)
+        if remote is not None:  # the sweep's own files (trial configs and logs, results); each trial uploads its run
+            if shared is None:
+                del os.environ[COPIES]
+            else:
+                os.environ[COPIES] = shared
+            remote.sync(folder, recursive=False)
+            remote.flush()
+            remote.close()
 
 
 def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage | None:
