@@ -232,3 +232,19 @@ def test_startup_refuses_no_repeats_in_one_line(capsys) -> None:  # noqa: ANN001
         _load("startup").main(["--repeats", "0"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: --repeats must be at least 1, got 0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_storage_benchmark_runs_the_example_on_a_disk_and_on_s3_side_by_side(tmp_path: Path) -> None:
+    pytest.importorskip("moto", reason="the dev extra is not installed: pip install -e '.[dev]'")
+    result = _script("storage_benchmark.py", "--rounds", "1", "--epochs", "2", "--every", "5", "--width", "32",
+                     cwd=tmp_path, timeout=540)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert {"local", "s3"} <= rows.keys(), result.stdout
+    for where in ("local", "s3"):
+        rate, seconds = (float(cell) for cell in rows[where].split("|")[2:4])
+        assert rate > 0 and seconds > 0, rows[where]
+    ratio = re.search(r"S3 / local samples/s within each round: median ([\d.]+)", result.stdout)
+    assert ratio and float(ratio.group(1)) > 0, result.stdout

@@ -56,16 +56,18 @@ def settled(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (SIGKILL, the OOM killer, a lost node). The folder's lock lets one process at a time run a run, so only the
     newest may still be running: it is unless it ran on this host and its process is gone."""
     for i, start in enumerate(starts):
-        if start.get("status") == "running" and (i < len(starts) - 1 or not _may_be_running(start)):
+        newest = i == len(starts) - 1
+        if start.get("status") == "running" and not (newest and may_be_running(start.get("hosts"), start.get("pid"))):
             start["status"] = "killed"
     return starts
 
 
-def _may_be_running(start: dict[str, Any]) -> bool:
-    if start.get("hosts") != [socket.gethostname()] or not isinstance(start.get("pid"), int):
-        return True  # another host's process cannot be checked from here
+def may_be_running(hosts: Any, pid: Any) -> bool:
+    """Whether process ``pid`` of ``hosts`` may still run: only this host's processes can be checked."""
+    if hosts != [socket.gethostname()] or not isinstance(pid, int):
+        return True
     try:
-        os.kill(start["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process

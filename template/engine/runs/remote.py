@@ -21,7 +21,7 @@ from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
 from template.engine.errors import ROOT_OPTION, ConfigError, DiskError, one_line
-from template.engine.runs import CHECKPOINTS, LOGS
+from template.engine.runs import CHECKPOINTS, LOGS, may_be_running
 
 POINTER = "newest"  # in checkpoints/: the name of the newest checkpoint whose upload completed
 LEASE = "lease.json"
@@ -283,7 +283,7 @@ class Lease:
                 continue  # released meanwhile
             left = float(held.get("expires", 0)) - time.time()
             here = held.get("host") == socket.gethostname()
-            if left > 0 and not (here and not _alive(held.get("pid"))):
+            if left > 0 and may_be_running([held.get("host")], held.get("pid")):
                 if here:
                     raise self._taken(held, left)
                 time.sleep(min(left, LEASE_SECONDS) + 1)  # another host's: renewed if its holder lives
@@ -358,18 +358,6 @@ def run_prefix(root: RemoteRoot, name: str) -> Path:
 def _stamp(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_mtime_ns, stat.st_size
-
-
-def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _package(err: ImportError) -> str:
