@@ -262,7 +262,7 @@ def test_ddp_on_s3_rank_zero_writes_and_the_run_continues(s3: S3, tmp_path: Path
 @pytest.mark.timeout(4 * WAIT)
 @pytest.mark.skipif(postgres_binaries() is None, reason="PostgreSQL is not installed (apt-get install postgresql)")
 def test_a_sweep_keeps_its_trial_folders_on_s3_and_its_study_in_postgresql(s3: S3, tmp_path: Path) -> None:
-    import optuna
+    optuna = pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
 
     root = f"{s3.bucket()}/runs"
     with postgres() as url:
@@ -412,6 +412,7 @@ def test_without_s3fs_the_line_names_the_extra(s3: S3, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("storage", ["null", "s3"])
 def test_a_sweep_refuses_a_journal_on_object_storage(in_process: S3, tmp_path: Path, run_main, storage: str) -> None:  # noqa: ANN001
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     bucket = in_process.bucket()
     journal = f"{bucket}/study.journal" if storage == "s3" else "null"
     (tmp_path / "s.yaml").write_text(

@@ -21,7 +21,7 @@ from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
 from template.engine.errors import ROOT_OPTION, ConfigError, DiskError, one_line
-from template.engine.runs import CHECKPOINTS, LOGS, may_be_running
+from template.engine.runs import CHECKPOINTS, may_be_running
 
 POINTER = "newest"  # in checkpoints/: the name of the newest checkpoint whose upload completed
 LEASE = "lease.json"
@@ -348,11 +348,6 @@ class _ShownAsURL(logging.Filter):
             if isinstance(record.msg, str):
                 record.msg = record.msg.replace(local, url)
         return True
-
-
-def run_prefix(root: RemoteRoot, name: str) -> Path:
-    """The local copy of run ``name``'s folder."""
-    return root.local / LOGS / name
 
 
 def _stamp(path: Path) -> tuple[int, int]:
