@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -190,7 +191,7 @@ def test_a_kill_during_an_upload_leaves_the_previous_checkpoint_named_and_whole(
     env = _env(s3, tmp_path, SLOW_UPLOADS="last.ckpt", SLOW_UPLOADS_LOG=str(tmp_path / "uploads.txt"))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "slow_uploads"), env["PYTHONPATH"]])
     command = [*FIT, f"--trainer.default_root_dir={root}", "--run.save_every_n_steps=3"]
-    proc = _start(command, tmp_path, env)
+    proc = _start([*command, *_paced(tmp_path)], tmp_path, env)  # paced: the uploads keep up with the steps
     uploads = tmp_path / "uploads.txt"
     _wait_for(lambda: uploads.is_file() and "last.ckpt" in uploads.read_text(), "the upload of last.ckpt")
     os.killpg(proc.pid, signal.SIGKILL)
@@ -200,10 +201,13 @@ def test_a_kill_during_an_upload_leaves_the_previous_checkpoint_named_and_whole(
     assert not fs.exists(f"{run[5:]}/checkpoints/last.ckpt")  # never half there
     newest = fs.cat(f"{run[5:]}/checkpoints/newest").decode()  # the checkpoint uploaded before it, whole
     step = _checkpoint(s3, f"{run}/checkpoints/{newest}")["global_step"]
-    assert newest != "last.ckpt" and step in (6, 8), (newest, step)
+    # last-step.ckpt of step 6 or the epoch's best of step 8; on a loaded machine the uploads may fall behind until
+    # the second epoch's end, when last.ckpt, pushed again, goes after that epoch's best (step 16).
+    assert newest != "last.ckpt" and step in (6, 8, STEPS), (newest, step)
     done = _run(command, tmp_path, _env(s3, tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resuming from {run}/checkpoints/{newest} (epoch 0, step {step})" in done.stderr + done.stdout
+    assert re.search(rf"resuming from {re.escape(run)}/checkpoints/{re.escape(newest)} \(epoch \d+, step {step}\)",
+                     done.stderr + done.stdout), done.stderr[-3000:]  # fmt: skip
     _assert_exact(s3, root, uninterrupted)
 
 
