@@ -2,8 +2,9 @@
 
 Each round runs the example's ``fit`` twice, in alternating order, with a checkpoint every ``--every`` steps: once with
 ``trainer.default_root_dir`` on a local disk, once on an S3 server (moto's, started here on loopback; ``--endpoint``
-for another). It prints each run's samples/s over the epochs after the first and the time from the command to its
-end, their medians, and the ratio S3 / local within each round, as Markdown:
+for another). It prints each run's samples/s over the epochs after the first, the seconds a checkpoint save holds the
+training thread (Lightning's simple profiler), the time from the command to its end, their medians, and the ratio S3 /
+local within each round, as Markdown:
 
     python scripts/storage_benchmark.py --rounds 3 --every 20
 """
@@ -27,13 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = template.__name__
 
 
-def run(root: str, name: str, args: argparse.Namespace, env: dict[str, str], work: Path) -> tuple[float, float]:
-    """samples/s (the mean over the epochs after the first) and seconds from the command to its end."""
+def run(root: str, name: str, args: argparse.Namespace, env: dict[str, str], work: Path) -> tuple[float, float, float]:
+    """samples/s (the mean over the epochs after the first), seconds per checkpoint save on the training thread and
+    seconds from the command to its end."""
     command = [
         sys.executable, "-m", PACKAGE, "fit", "--config", str(REPO / "configs" / "default.yaml"),
         "--trainer.accelerator=cpu", f"--trainer.max_epochs={args.epochs}", "--trainer.enable_progress_bar=false",
         f"--run.save_every_n_steps={args.every}", f"--run.name={name}", f"--trainer.default_root_dir={root}",
-        f"--model.net.init_args.hidden_sizes=[{args.width}, {args.width}]",
+        f"--model.net.init_args.hidden_sizes=[{args.width}, {args.width}]", "--trainer.profiler=simple",
     ]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -43,7 +45,8 @@ def run(root: str, name: str, args: argparse.Namespace, env: dict[str, str], wor
     rates = [float(v) for v in re.findall(r"throughput/samples_per_sec=([\d.]+)", done.stdout + done.stderr)]
     found = re.search(r"Throughput: ([\d,]+) samples/s in the last epoch \(([\d,]+) mean", done.stdout + done.stderr)
     rate = float(found.group(2).replace(",", "")) if found else (statistics.mean(rates) if rates else float("nan"))
-    return rate, seconds
+    save = re.search(r"\|\s+save_checkpoint\s+\|\s+([\d.e-]+)", done.stdout + done.stderr)
+    return rate, float(save.group(1)) if save else float("nan"), seconds
 
 
 def main() -> None:
@@ -69,7 +72,7 @@ def main() -> None:
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem(endpoint_url=args.endpoint, key="bench", secret="bench").mkdir(bucket)
-    results: dict[str, list[tuple[float, float]]] = {"local": [], "s3": []}
+    results: dict[str, list[tuple[float, float, float]]] = {"local": [], "s3": []}
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         for n in range(args.rounds):
@@ -80,14 +83,17 @@ def main() -> None:
                 print(f"round {n + 1}/{args.rounds} {where}: {results[where][-1][0]:.0f} samples/s", file=sys.stderr)
     if server is not None:
         server.stop()
-    print(f"| where | samples/s (median of {args.rounds}) | seconds per run (median) |")
-    print("| --- | --- | --- |")
+    print(f"| where | samples/s (median of {args.rounds}) | ms per checkpoint save | seconds per run (median) |")
+    print("| --- | --- | --- | --- |")
     for where, values in results.items():
-        rate, seconds = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
-        print(f"| {where} | {rate:.0f} | {seconds:.1f} |")
+        rate, save, seconds = (statistics.median(v[i] for v in values) for i in range(3))
+        print(f"| {where} | {rate:.0f} | {save * 1000:.1f} | {seconds:.1f} |")
     ratios = [s[0] / local[0] for s, local in zip(results["s3"], results["local"], strict=True)]
     spread = f"median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}"
     print(f"\nS3 / local samples/s within each round: {spread} (a checkpoint every {args.every} steps)")
+    saves = [s[1] / local[1] for s, local in zip(results["s3"], results["local"], strict=True)]
+    print(f"S3 / local time per checkpoint save within each round: median {statistics.median(saves):.3f}, "
+          f"range {min(saves):.3f}-{max(saves):.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
