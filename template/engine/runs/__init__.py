@@ -1,6 +1,7 @@
 """Run folders and their record: the one owner of a run folder's layout and names, its lock, how each start ended,
-and the ``runs`` table; other packages ask here for any path into a run folder. Uses the store, strategies and
-errors. This module imports neither torch nor Lightning: the runs table reads run folders with these names alone."""
+and the ``runs`` table; a folder on object storage (``remote``, through fsspec); other packages ask here for any path
+into a run folder. Uses the store, strategies and errors. This module imports neither torch nor Lightning: the runs
+table reads run folders with these names alone."""
 
 from __future__ import annotations
 
