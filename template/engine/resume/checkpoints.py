@@ -165,8 +165,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(checkpoint, path)
         if self.remote is not None:
+            # The logs up to this checkpoint first: the pointer, moved after its upload, never names one without them.
+            self.remote.sync(Path(path).parent.parent)
             self.remote.push(Path(path), newest=True)
-            self.remote.sync(Path(path).parent.parent)  # the logs up to this checkpoint too
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         super().remove_checkpoint(path)
