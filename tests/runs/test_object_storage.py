@@ -246,20 +246,26 @@ def test_one_start_at_a_time_and_a_stale_lease_is_taken_over(s3: S3, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * WAIT)
-def test_ddp_on_s3_rank_zero_writes_and_the_run_continues(s3: S3, tmp_path: Path) -> None:
+def test_ddp_on_s3_rank_zero_writes_and_a_stop_in_a_later_epoch_continues_bit_for_bit(s3: S3, tmp_path: Path) -> None:
     root = f"{s3.bucket()}/runs"
-    env = _env(s3, tmp_path, MASTER_PORT=str(_free_port()))
-    command = [*FIT, "--config", CONFIGS / "ddp_cpu.yaml", f"--trainer.default_root_dir={root}"]
-    done = _run([*command, "--trainer.max_epochs=1"], tmp_path, env)
+    ddp = [*FIT[:3], "--config", CONFIGS / "ddp_cpu.yaml", *FIT[3:]]  # FIT's steps, epochs and logging
+    local = tmp_path / "local"
+    local.mkdir()
+    done = _run(ddp, local, cli_env() | {"MASTER_PORT": str(_free_port())})  # uninterrupted, on the disk
     assert done.returncode == 0, done.stderr[-3000:]
-    run = f"{root[5:]}/lightning_logs/r"
-    (start,) = json.loads(s3.fs().cat(f"{run}/provenance.json"))["starts"]
-    assert start["world_size"] == 2 and start["status"] == "finished"
+    uninterrupted = _training_state(torch.load(local / "lightning_logs/r/checkpoints/last.ckpt", weights_only=True))
+    env = _env(s3, tmp_path, MASTER_PORT=str(_free_port()))
+    command = [*ddp, f"--trainer.default_root_dir={root}"]
+    proc = _start([*command, *_paced(tmp_path)], tmp_path, env)
+    _wait_for(lambda: _steps(tmp_path) >= STEPS // 2 + 3, "a step in the second epoch")
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert finish(proc, WAIT) == 143, (tmp_path / "run.log").read_text()[-3000:]
     done = _run(command, tmp_path, env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming from s3://" in done.stderr + done.stdout
-    starts = json.loads(s3.fs().cat(f"{run}/provenance.json"))["starts"]
-    assert [s["status"] for s in starts] == ["finished", "finished"] and starts[-1]["steps"] > starts[0]["steps"]
+    assert f"resuming from {root}/lightning_logs/r/checkpoints/interrupted.ckpt (epoch 1," in done.stderr + done.stdout
+    _assert_exact(s3, root, uninterrupted)
+    starts = json.loads(s3.fs().cat(f"{root[5:]}/lightning_logs/r/provenance.json"))["starts"]
+    assert [(s["world_size"], s["status"]) for s in starts] == [(2, "interrupted"), (2, "finished")], starts
 
 
 @pytest.mark.slow
