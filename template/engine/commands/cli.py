@@ -319,7 +319,7 @@ class CLI(LightningCLI):
             rank_zero_info(f"Best checkpoint: {checkpoint.best_model_path} ({checkpoint.monitor}={score:.4f})")
 
 
-def settle(config: Any, subcommand: str | None, folders: RunFolders | None = None) -> Run | None:
+def settle(config: Any, subcommand: str | None, folders: RunFolders) -> Run | None:
     """Make the subcommand's parsed config (in place) what the run will use, as --print_config prints it and
     config.yaml saves it; the checkpoint is validated before anything reads it. For fit, the run it continues."""
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
@@ -332,8 +332,7 @@ def settle(config: Any, subcommand: str | None, folders: RunFolders | None = Non
         config["checkpoint.save_top_k"] = 0
     if config.get("checkpoint.filename") is None and monitor:
         config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
-    folders = folders or RunFolders()
-    _refuse_what_object_storage_cannot_hold(config, subcommand)
+    folder.refuse_what_object_storage_cannot_hold(config, subcommand)
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == "last":
         root = config.get("trainer.default_root_dir") or "."
@@ -351,38 +350,6 @@ def settle(config: Any, subcommand: str | None, folders: RunFolders | None = Non
     if (line := run.describe()) is not None:
         rank_zero_info(line)
     return run
-
-
-def _refuse_what_object_storage_cannot_hold(config: Any, subcommand: str | None) -> None:
-    """One line for a run on object storage that could not keep its guarantees there."""
-    if is_remote(dirpath := config.get("checkpoint.dirpath")):
-        raise ConfigError(
-            f"checkpoint.dirpath={dirpath} is on object storage: set trainer.default_root_dir there instead, and the "
-            "run's checkpoints go to its folder with the run's guarantees (uploads in order, the newest named last)"
-        )
-    root = config.get("trainer.default_root_dir")
-    if not is_remote(root) or subcommand is None:  # None: a config parsed for a sweep's trials, not run
-        return
-    if subcommand != "fit":
-        raise ConfigError(
-            f"trainer.default_root_dir={root}: {subcommand} writes its logs into a new local folder; keep "
-            "default_root_dir local (--ckpt_path may name a checkpoint on object storage)"
-        )
-    if folder.run_name(config.get("run.name")) is None:
-        raise ConfigError(
-            f"trainer.default_root_dir={root} is on object storage: a run there needs a name (--run.name, or the "
-            "scheduler's job id), by which the same command finds it again"
-        )
-    if config.get("checkpoint.save_last") == "link":
-        raise ConfigError(
-            "checkpoint.save_last=link makes last.ckpt a symbolic link, which object storage does not have; use "
-            "checkpoint.save_last: true"
-        )
-    if fsdp.is_fsdp(config.get("trainer.strategy")):
-        raise ConfigError(
-            f"strategy fsdp writes each checkpoint as a folder of shards, which trainer.default_root_dir={root} "
-            "(object storage) cannot replace whole; train with strategy ddp there, or keep fsdp runs on a shared disk"
-        )
 
 
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:

@@ -21,6 +21,7 @@ from template.engine.errors import ConfigError, DiskError, disk_errors
 from template.engine.runs import CHECKPOINTS, LAST, is_sharded, restart_config
 from template.engine.runs.remote import Lease, RemoteRoot, is_remote
 from template.engine.store import Lock, atomic_write, prove_writable, try_lock, undone_on_failure
+from template.engine.strategies.fsdp import is_fsdp
 
 _PART = "[A-Za-z0-9][A-Za-z0-9._-]*"
 # A sweep's trials are runs one level down (<sweep name>/<trial>), their folds under --cv.folds two.
@@ -244,3 +245,35 @@ def newest_under(root: str | os.PathLike, dirpath: str | os.PathLike | None = No
             "train first, set --trainer.default_root_dir to the run's root, or pass a checkpoint file"
         )
     return found
+
+
+def refuse_what_object_storage_cannot_hold(config: Any, subcommand: str | None) -> None:
+    """One line for a run on object storage that could not keep its guarantees there."""
+    if is_remote(dirpath := config.get("checkpoint.dirpath")):
+        raise ConfigError(
+            f"checkpoint.dirpath={dirpath} is on object storage: set trainer.default_root_dir there instead, and the "
+            "run's checkpoints go to its folder with the run's guarantees (uploads in order, the newest named last)"
+        )
+    root = config.get("trainer.default_root_dir")
+    if not is_remote(root) or subcommand is None:  # None: a config parsed for a sweep's trials, not run
+        return
+    if subcommand != "fit":
+        raise ConfigError(
+            f"trainer.default_root_dir={root}: {subcommand} writes its logs into a new local folder; keep "
+            "default_root_dir local (--ckpt_path may name a checkpoint on object storage)"
+        )
+    if run_name(config.get("run.name")) is None:
+        raise ConfigError(
+            f"trainer.default_root_dir={root} is on object storage: a run there needs a name (--run.name, or the "
+            "scheduler's job id), by which the same command finds it again"
+        )
+    if config.get("checkpoint.save_last") == "link":
+        raise ConfigError(
+            "checkpoint.save_last=link makes last.ckpt a symbolic link, which object storage does not have; use "
+            "checkpoint.save_last: true"
+        )
+    if is_fsdp(config.get("trainer.strategy")):
+        raise ConfigError(
+            f"strategy fsdp writes each checkpoint as a folder of shards, which trainer.default_root_dir={root} "
+            "(object storage) cannot replace whole; train with strategy ddp there, or keep fsdp runs on a shared disk"
+        )
