@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,15 +98,30 @@ def _nothing_written_into_the_project():  # noqa: ANN202
     )
 
 
-def finish(proc: subprocess.Popen, timeout: float, what: str = "the run") -> int:
+def finish(proc: subprocess.Popen, timeout: float, what: str = "the run", log: Path | None = None) -> int:
     """``proc``'s exit code; if it has not ended within ``timeout`` s, its whole process group is killed and the test
-    fails (children started with ``start_new_session=True``)."""
+    fails (children started with ``start_new_session=True``), showing the end of its ``log``."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_hung(proc.pid)
+        proc.kill()  # one started without a session of its own
         proc.wait(timeout=10)
-        pytest.fail(f"{what} did not end within {timeout} s")
+        pytest.fail(
+            f"{what} did not end within {timeout} s" + (f"; its log ends:\n{log.read_text()[-8000:]}" if log else "")
+        )
+
+
+def end_hung(sid: int) -> None:
+    """End the session of a run that outlived its test: SIGABRT to each process, newest first and one at a time, on
+    which one with faulthandler on (``PYTHONFAULTHANDLER=1``, as the resume matrix sets) prints where its threads
+    were into the run's log; then SIGKILL to whatever is left."""
+    for pid in sorted(session_processes(sid), reverse=True):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, signal.SIGKILL)
 
 
 def session_processes(sid: int) -> list[int]:
@@ -168,9 +184,9 @@ class ForkServer:
         assert started, "the fork server did not start the run within 30 s"
         ended = self._reply(timeout)
         if ended is None:
-            os.killpg(started["pid"], signal.SIGKILL)
+            end_hung(started["pid"])
             self._reply(10)
-            pytest.fail(f"the run did not end within {timeout} s")
+            pytest.fail(f"the run did not end within {timeout} s; its log ends:\n{log.read_text()[-8000:]}")
         return ended["returncode"]
 
     def close(self) -> None:

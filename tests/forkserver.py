@@ -12,6 +12,7 @@ ended. End of stdin ends the server.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
@@ -35,6 +36,8 @@ def _become(package: str, request: dict) -> None:
     os.dup2(log, 2)
     os.close(stdin)
     os.close(log)
+    if request["env"].get("PYTHONFAULTHANDLER"):  # read by an interpreter only as it starts
+        faulthandler.enable()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)

@@ -202,6 +202,7 @@ def _env(work: Path, slurm: bool = False) -> dict[str, str]:
     env = {k: v for k, v in cli_env().items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env["MASTER_PORT"] = str(_free_port())
+    env["PYTHONFAULTHANDLER"] = "1"  # a run that hangs shows where each process waited (conftest.end_hung)
     if slurm:
         # What srun gives the one task of a batch job; scontrol records the requeue request.
         bin_dir = work / "bin"
@@ -228,7 +229,7 @@ def _start(command: list[str], work: Path, env: dict[str, str], server: ForkServ
             command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
-        return finish(proc, WAIT)
+        return finish(proc, WAIT, log=work / "run.log")
 
 
 @pytest.fixture(scope="module")
