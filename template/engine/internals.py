@@ -9,7 +9,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -23,13 +23,9 @@ class InternalsChanged(RuntimeError):
 
 
 def _changed(package: str, name: str, needed_for: str) -> InternalsChanged:
-    try:
-        installed = version(package)
-    except PackageNotFoundError:
-        installed = "(version unknown)"
     return InternalsChanged(
-        f"{package} {installed} no longer has `{name}`, which {needed_for} relies on; install a {package} version "
-        "from the tested range in README.md (Tested versions), or adapt engine/internals.py"
+        f"{package} {version(package)} no longer has `{name}`, which {needed_for} relies on; install a {package} "
+        "version from the tested range in README.md (Tested versions), or adapt engine/internals.py"
     )
 
 

@@ -19,7 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -183,11 +182,9 @@ class CLI(LightningCLI):
         )
         # The data knows its shapes: networks and metrics get them from it. jsonargparse applies a link only where the
         # chosen model (and its `net`) has the argument.
-        for attribute in ("num_classes", "input_shape"):
-            parser.link_arguments(
-                "data", f"model.init_args.net.init_args.{attribute}", _attribute(attribute), apply_on="instantiate"
-            )
-        parser.link_arguments("data", "model.init_args.num_classes", _attribute("num_classes"), apply_on="instantiate")
+        for target in ("net.init_args.num_classes", "net.init_args.input_shape", "num_classes"):
+            read = functools.partial(_attribute, target.split(".")[-1])
+            parser.link_arguments("data", f"model.init_args.{target}", read, apply_on="instantiate")
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -296,7 +293,7 @@ class CLI(LightningCLI):
 
     def before_predict(self) -> None:
         self.before_fit()
-        self.trainer.callbacks.append(PredictionWriter())
+        self.trainer.callbacks.append(PredictionWriter(write_interval="epoch"))
 
     def after_predict(self) -> None:
         writer = next(c for c in self.trainer.callbacks if isinstance(c, PredictionWriter))
@@ -339,8 +336,7 @@ def settle(config: Any, subcommand: str | None, folders: RunFolders) -> Run | No
         config["ckpt_path"] = ckpt_path = newest_under(root, config.get("checkpoint.dirpath"))
         rank_zero_info(f"Resuming from the newest checkpoint under '{root}': {ckpt_path}")
     if is_remote(ckpt_path):
-        ckpt_path = folders.download(ckpt_path, "--ckpt_path", config.get("run.storage_options"))
-        config["ckpt_path"] = ckpt_path
+        config["ckpt_path"] = ckpt_path = folders.download(ckpt_path, "--ckpt_path", config.get("run.storage_options"))
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
         checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
     if subcommand != "fit":
@@ -414,15 +410,10 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
     return len(names) == 1 or len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
 
 
-class _attribute:  # noqa: N801 - used like a function in the links above
-    """A link reading ``name`` from the data module, if it has one; not a closure: ``ddp_spawn`` pickles the links."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(self, data: LightningDataModule) -> Any:
-        value = getattr(data, self.name, None)
-        return list(value) if isinstance(value, tuple) else value
+def _attribute(name: str, data: LightningDataModule) -> Any:
+    """The data module's ``name``, if it has one: a link (a partial, not a closure: ``ddp_spawn`` pickles links)."""
+    value = getattr(data, name, None)
+    return list(value) if isinstance(value, tuple) else value
 
 
 def loggers(
@@ -446,8 +437,7 @@ def loggers(
 
 
 def plugins(trainer_config: dict[str, Any], remote: RemoteRoot | None = None) -> dict[str, Any]:
-    """The ``plugins`` argument: atomic checkpoint writes (each uploaded, on object storage), unless the config lists
-    plugins of its own."""
+    """The ``plugins`` argument: atomic checkpoint writes (uploaded on object storage), unless the config lists some."""
     return {"plugins": [checkpoints.AtomicCheckpointIO(remote)]} if trainer_config.get("plugins") is None else {}
 
 
@@ -534,9 +524,6 @@ def _listed(value: Any) -> list[Any]:
 class PredictionWriter(BasePredictionWriter):
     """Saves ``<log_dir>/predictions.csv`` (one per rank under DDP) with each sample's dataset index."""
 
-    def __init__(self) -> None:
-        super().__init__(write_interval="epoch")
-
     def path(self, trainer: Trainer) -> Path:
         name = "predictions.csv" if trainer.world_size == 1 else f"predictions-rank{trainer.global_rank}.csv"
         return Path(trainer.log_dir or trainer.default_root_dir) / name
@@ -545,10 +532,9 @@ class PredictionWriter(BasePredictionWriter):
         self, trainer: Trainer, pl_module: LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
     ) -> None:
         # Lightning nests both per dataloader, except predictions when there is a single dataloader.
-        if predictions and not isinstance(predictions[0], torch.Tensor):
+        if len(batch_indices) > 1:
             predictions = [batch for per_loader in predictions for batch in per_loader]
-        if batch_indices and batch_indices[0] and not isinstance(batch_indices[0][0], int):
-            batch_indices = [indices for per_loader in batch_indices for indices in per_loader]
+        batch_indices = [indices for per_loader in batch_indices for indices in per_loader]
         path = self.path(trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", newline="") as f:

@@ -75,7 +75,7 @@ class Preemption(Callback):
     def _take_over_sigterm(self, trainer: Trainer) -> None:
         """Replace the SIGTERM handler Lightning installs after ``on_fit_start``, taking over a SIGTERM it recorded
         meanwhile. Lightning puts ours back when the run ends."""
-        if not self._active or threading.current_thread() is not threading.main_thread():
+        if not self._active:  # set up in the main thread, which runs these hooks too
             return
         if trainer.received_sigterm and self._received is None and self._stopped is None:
             self._record(signal.SIGTERM, None)
@@ -209,9 +209,7 @@ def restore_signal_handlers(handlers: dict[int, Any]) -> None:
 
 def _requeue_signal(trainer: Trainer) -> int:
     environment = cluster_environment(trainer)
-    if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
-        return environment.requeue_signal
-    return signal.SIGUSR1
+    return environment.requeue_signal if isinstance(environment, SLURMEnvironment) else signal.SIGUSR1
 
 
 def _requeue(trainer: Trainer, signum: int) -> bool:

@@ -95,8 +95,8 @@ class HangWatchdog(Callback):
             fails. It also bounds how long one rank may work alone while the others wait, e.g. a long
             ``prepare_data`` download on rank 0: raise it for such work.
         grace: seconds the launching process gives its child ranks to exit on their own after an error (not after
-            a timeout: then a rank is hung) before killing them, and itself to fail on its own after a child rank
-            died before it reports that rank.
+            a timeout: then a rank is hung; after a stop they get ``timeout``) before killing them, and itself to
+            fail on its own after a child rank died before it reports that rank.
     """
 
     announcement = Mechanism(
@@ -117,8 +117,8 @@ class HangWatchdog(Callback):
         # Made here, in each process: ddp_spawn pickles the callbacks, and an Event does not pickle.
         self._failing = threading.Event()
         # Lightning's launcher would SIGKILL this process the moment a child exits non-zero, saying nothing of it.
-        launcher = internals.on_child_failure(lambda: self._child_failed(trainer))
-        if not launcher and trainer.local_rank > 0 and internals.launched_children(trainer) is None:
+        internals.on_child_failure(lambda: self._child_failed(trainer))
+        if trainer.local_rank > 0:  # a rank that was started, and starts none
             if isinstance(internals.cluster_environment(trainer), LightningEnvironment):
                 # Started by rank 0 (Lightning's launcher): its death is this rank's to report, then it ends.
                 self._watch_launcher(trainer)
@@ -148,8 +148,9 @@ class HangWatchdog(Callback):
         if self._failing is not None:
             self._failing.set()
         if not timed_out:
-            # A rank that raised is already on its way out (printing its traceback): let it finish.
-            deadline = time.monotonic() + self.grace
+            # A rank that raised is already on its way out (printing its traceback): let it finish. After a stop all
+            # ranks agreed on (SIGTERM, Ctrl-C) each is ending normally, which on a loaded machine outlasts `grace`.
+            deadline = time.monotonic() + (self.timeout if isinstance(exception, SIGTERMException) else self.grace)
             for proc in children:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))

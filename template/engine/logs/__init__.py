@@ -1,4 +1,2 @@
-"""What a run shows and logs: its first lines, the progress bar, CSV and TensorBoard logs, trackers, throughput.
-
-Uses the store and errors only: the packages above announce themselves here (``console.Mechanism``).
-"""
+"""What a run shows and logs: its first lines, the progress bar, CSV and TensorBoard logs, trackers, throughput. Uses
+the store and errors only: the packages above announce themselves here (``console.Mechanism``)."""

@@ -34,10 +34,9 @@ KEPT = "the logs up to the last save are kept"
 
 
 class _TimedSave:
-    """Writes the logger's files at most every ``save_interval`` seconds (0: at every logging step, as Lightning does)
-    and when the run ends, fails or is interrupted (``finalize``): Lightning saves after every logging step
-    (Lightning-AI/pytorch-lightning#4664), which costs more than a small model's step. A failed write changes no file.
-    """
+    """Writes the logger's files at most every ``save_interval`` seconds (0: at every logging step, as Lightning does,
+    which costs more than a small model's step: Lightning-AI/pytorch-lightning#4664) and when the run ends, fails or is
+    interrupted (``finalize``). A failed write changes no file."""
 
     after_save: Callable[[], None] | None = None  # a run folder on object storage uploads the files saved
 

@@ -97,5 +97,4 @@ class PeriodicCheckpoint(Callback):
 
 
 def periodic_checkpoint(run: Run) -> list[PeriodicCheckpoint]:
-    """The periodic save of ``run.save_every_n_steps``; none when unset."""
     return [] if run.save_every_n_steps is None else [PeriodicCheckpoint(run.save_every_n_steps)]

@@ -38,10 +38,10 @@ KNOWN_SAMPLERS = (
 
 
 def global_states() -> dict[str, Any]:
-    """The global torch, Python and NumPy random states, in plain types and tensors (weights-only loadable)."""
+    """The global torch, Python and NumPy random states, in plain types and tensors: a numpy array in a checkpoint
+    breaks ``torch.load(weights_only=True)``."""
     version, internal, gauss = random.getstate()
     algorithm, keys, pos, has_gauss, cached = np.random.get_state()
-    # Plain types only: a numpy array in a checkpoint breaks torch.load(weights_only=True).
     numpy = [str(algorithm), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
     return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss], "numpy": numpy}
 
@@ -227,9 +227,7 @@ def not_resumable_reason(loader: object) -> str | None:
 
 def make_resumable(loader: object) -> object:
     """A copy of a map-style DataLoader whose index sampler can replay an epoch and skip into it; others unchanged."""
-    if not isinstance(loader, DataLoader) or wrapped(loader) is not None or is_stateful(loader):
-        return loader
-    if isinstance(loader.dataset, IterableDataset):
+    if is_stateful(loader) or not_resumable_reason(loader) is not None or wrapped(loader) is not None:
         return loader
     batching = loader.batch_sampler is not None
     inner = loader.batch_sampler if batching else loader.sampler

@@ -30,10 +30,8 @@ def exact_resume_point(trainer: Trainer) -> bool:
     """Whether a checkpoint written at the end of the training batch that just ended continues exactly: not between
     micro-batches (checkpoints hold no gradients), at an epoch's last batch or right before a validation (Lightning
     resumes from those by skipping the validation or the epoch's end)."""
-    loop = trainer.fit_loop.epoch_loop
-    return not (
-        loop.batch_progress.is_last_batch or internals.accumulating(trainer) or internals.validation_follows(trainer)
-    )
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return not (last or internals.accumulating(trainer) or internals.validation_follows(trainer))
 
 
 class RNGStateCheckpoint(Callback):

@@ -5,6 +5,7 @@ table reads run folders with these names alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -50,6 +51,16 @@ def config_of(checkpoint: str | os.PathLike) -> Path | str:
 def is_sharded(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a sharded checkpoint: a folder of torch distributed checkpoint shards (strategy fsdp)."""
     return (Path(path) / ".metadata").is_file()
+
+
+def read_starts(folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """The starts in the run folder's ``provenance.json``, oldest first and ``settled``; none for a missing file or one
+    written by hand or by another tool."""
+    try:
+        starts = json.loads((Path(folder) / PROVENANCE).read_text())["starts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return settled([start for start in starts if isinstance(start, dict)])
 
 
 def settled(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:

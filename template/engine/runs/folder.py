@@ -199,17 +199,16 @@ class RunFolders:
             self.lock.release()
         for store in self.read:
             store.close()
-        remote, claimed, self.remote, self.claimed, self.read = self.remote, self.claimed, None, None, []
-        if remote is None:
+        if self.remote is None:
             return None
         try:
-            if claimed is not None and _global_zero():
-                remote.sync(claimed)
-                remote.flush()
+            if self.claimed is not None:  # by the process of global rank zero
+                self.remote.sync(self.claimed)
+                self.remote.flush()
         except (ConfigError, DiskError) as err:
             return str(err)
         finally:
-            remote.close()
+            self.remote.close()
         return None
 
 

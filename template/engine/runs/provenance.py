@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from template.engine.errors import one_line
-from template.engine.runs import PROVENANCE, settled
+from template.engine.runs import PROVENANCE, read_starts, settled
 from template.engine.store import atomic_write
 from template.engine.strategies.devices import process_devices
 
@@ -120,7 +120,7 @@ class Provenance(Callback):
             return
         self._path = Path(log_dir) / PROVENANCE
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        entries = self._read()
+        entries = read_starts(log_dir)
         git = git_state(Path(__file__).resolve().parent)
         if git.get("commit") and (diff := git.pop("diff")):
             git["diff_file"] = f"git-{len(entries) + 1}.diff"
@@ -167,20 +167,12 @@ class Provenance(Callback):
         self._entry.update(end=_now(), seconds=round(time.monotonic() - self._started, 3), **exit_status(exception))
         self._entry.update(epochs=trainer.current_epoch, steps=trainer.global_step)
         try:
-            self._write([*self._read()[:-1], self._entry])
+            self._write([*read_starts(self._path.parent)[:-1], self._entry])
         except OSError:
             if exception is None:
                 raise
             # The run failed already (often on this disk): its own error is what the user sees, not this one.
 
-    def _read(self) -> list[dict[str, Any]]:
-        assert self._path is not None
-        try:
-            return json.loads(self._path.read_text())["starts"]
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return []  # none yet, or a file written by hand or another tool: start a new record rather than fail
-
     def _write(self, entries: list[dict[str, Any]]) -> None:
-        assert self._path is not None
         text = json.dumps({"starts": entries}, indent=1)
         atomic_write(self._path, lambda f: f.write(text.encode()))

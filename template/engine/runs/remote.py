@@ -35,6 +35,7 @@ _S3_OPTIONS = {
 }
 _SECRETS = ("key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _TRIES = 5
+_LIGHTNING_LINES = "lightning.pytorch.utilities.rank_zero"
 
 
 def is_remote(path: Any) -> bool:
@@ -52,12 +53,12 @@ class RemoteRoot:
                 f"run.storage_options holds {', '.join(secret)}: credentials are not written into a run's config; "
                 "give them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or ~/.aws/credentials"
             )
-        protocol = get_protocol(self.url)
-        options = {**(_S3_OPTIONS if protocol in ("s3", "s3a") else {}), **(storage_options or {})}
+        options = {**(_S3_OPTIONS if get_protocol(self.url) in ("s3", "s3a") else {}), **(storage_options or {})}
         try:
             self.fs, self.root = url_to_fs(self.url, **options)
         except ImportError as err:
-            raise ConfigError(f"{option}={self.url} needs {_package(err)}: pip install -e '.[s3]'") from None
+            package = next((n for n in ("s3fs", "gcsfs", "adlfs") if n in str(err)), err.name or str(err))
+            raise ConfigError(f"{option}={self.url} needs {package}: pip install -e '.[s3]'") from None
         except ValueError as err:
             raise ConfigError(
                 f"{option}={self.url}: {one_line(err)}; use a local folder or object storage fsspec knows "
@@ -76,9 +77,13 @@ class RemoteRoot:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.lease: Lease | None = None
-        # The run's lines (which checkpoint it resumes from, where it stopped) name the store, not the copy.
-        self._shown = _ShownAsURL({str(self.fetched): self.url, str(self.local): self.url})
-        logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(self._shown)
+        logging.getLogger(_LIGHTNING_LINES).addFilter(self._name_the_store)
+
+    def _name_the_store(self, record: logging.LogRecord) -> bool:
+        """The run's lines (which checkpoint it resumes from, where it stopped) name the store, not the copy."""
+        if isinstance(record.msg, str):
+            record.msg = record.msg.replace(str(self.fetched), self.url).replace(str(self.local), self.url)
+        return True
 
     def url_of(self, local: str | os.PathLike) -> str:
         """The URL of a path in the local copy (what the run's lines name)."""
@@ -92,7 +97,7 @@ class RemoteRoot:
         """Download a run folder's files but its checkpoints into the local copy (a restart reads its logs there)."""
         depth = None if recursive else 1
         for key in self._call(lambda: self.fs.find(self.key(folder), maxdepth=depth), f"read {self.url_of(folder)}"):
-            relative = key[len(self.root) + 1 :]
+            relative = key.removeprefix(f"{self.root}/")
             if relative.split("/")[-1] == LEASE or f"/{CHECKPOINTS}/" in f"/{relative}":
                 continue
             target = self.local / relative
@@ -123,7 +128,7 @@ class RemoteRoot:
         return self.fetched
 
     def _fetch(self, key: str, option: str) -> str:
-        target = self.fetched / key[len(self.root) + 1 :] if key.startswith(f"{self.root}/") else self.fetched / key
+        target = self.fetched / key.removeprefix(f"{self.root}/")
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._call(lambda: self.fs.get_file(key, str(target)), f"read {key}")
@@ -168,7 +173,7 @@ class RemoteRoot:
             self._changed.notify_all()
         if self.lease is not None:
             self.lease.release()
-        logging.getLogger("lightning.pytorch.utilities.rank_zero").removeFilter(self._shown)
+        logging.getLogger(_LIGHTNING_LINES).removeFilter(self._name_the_store)
         shutil.rmtree(self.fetched, ignore_errors=True)
         if self._owned:
             shutil.rmtree(self.local, ignore_errors=True)
@@ -185,7 +190,7 @@ class RemoteRoot:
 
     def _upload(self) -> None:
         pointed: str | None = None
-        deferred: set[Path] = set()  # removals of the checkpoint the pointer names, done once it names another
+        deferred: set[Path] = set()  # removals, done at once but the named checkpoint's: once the pointer moves on
         while True:
             with self._changed:
                 while not self._queue:
@@ -194,20 +199,17 @@ class RemoteRoot:
                 del self._queue[path]
                 self._busy = True
             try:
-                if action == "rm" and path.name == pointed:
+                if action == "rm":
                     deferred.add(path)
-                elif action == "rm":
-                    with contextlib.suppress(FileNotFoundError):
-                        self._retry(self.fs.rm_file, self.key(path))
                 elif path.exists():  # else removed before its turn
                     self._retry(self.fs.put_file, str(path), self.key(path))
                     if action == "newest":
                         self._retry(self.fs.pipe_file, self.key(path.parent / POINTER), path.name.encode())
                         pointed = path.name
-                        for old in [old for old in deferred if old.name != pointed]:
-                            deferred.discard(old)
-                            with contextlib.suppress(FileNotFoundError):
-                                self._retry(self.fs.rm_file, self.key(old))
+                for old in [old for old in deferred if old.name != pointed]:
+                    deferred.discard(old)
+                    with contextlib.suppress(FileNotFoundError):
+                        self._retry(self.fs.rm_file, self.key(old))
             except Exception as err:  # the training thread raises it at its next push or flush
                 with self._changed:
                     self.failure = self._error(err, f"write {self.url_of(path)}")
@@ -220,10 +222,8 @@ class RemoteRoot:
         for attempt in range(_TRIES):
             try:
                 return call(*args)
-            except (FileNotFoundError, PermissionError):
-                raise
-            except Exception:
-                if attempt == _TRIES - 1:
+            except Exception as err:
+                if attempt == _TRIES - 1 or isinstance(err, (FileNotFoundError, PermissionError)):
                     raise
                 time.sleep(min(0.5 * 2**attempt, 8.0))
 
@@ -240,8 +240,6 @@ class RemoteRoot:
                     f"{self.option}={self.url}: the bucket {self.root.split('/')[0]!r} does not exist; create it or "
                     "name another"
                 ) from None
-            raise
-        except ConfigError:
             raise
         except Exception as err:
             raise self._error(err, what) from None
@@ -272,28 +270,23 @@ class Lease:
         fs = self.remote.fs
         self._refuse_a_store_without_conditional_writes()
         while True:
-            try:
+            with contextlib.suppress(FileExistsError):
                 fs.pipe_file(self.key, self._body(), mode="create")
                 break
-            except FileExistsError:
-                pass
             try:
                 etag, held = fs.info(self.key)["ETag"], json.loads(fs.cat_file(self.key))
             except FileNotFoundError:
                 continue  # released meanwhile
             left = float(held.get("expires", 0)) - time.time()
-            here = held.get("host") == socket.gethostname()
             if left > 0 and may_be_running([held.get("host")], held.get("pid")):
-                if here:
+                if held.get("host") == socket.gethostname():
                     raise self._taken(held, left)
                 time.sleep(min(left, LEASE_SECONDS) + 1)  # another host's: renewed if its holder lives
                 if fs.info(self.key)["ETag"] != etag:
                     raise self._taken(held, LEASE_SECONDS)
-            try:
+            with contextlib.suppress(OSError):
                 fs.pipe_file(self.key, self._body(), IfMatch=etag)  # one taker wins; the others see another ETag
                 break
-            except OSError:
-                continue
         self.etag = fs.info(self.key)["ETag"]
         threading.Thread(target=self._renew, name="run-lease", daemon=True).start()
 
@@ -338,23 +331,6 @@ class Lease:
         )
 
 
-class _ShownAsURL(logging.Filter):
-    def __init__(self, names: dict[str, str]) -> None:
-        super().__init__()
-        self.names = names
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        for local, url in self.names.items():
-            if isinstance(record.msg, str):
-                record.msg = record.msg.replace(local, url)
-        return True
-
-
 def _stamp(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_mtime_ns, stat.st_size
-
-
-def _package(err: ImportError) -> str:
-    text = str(err)
-    return next((name for name in ("s3fs", "gcsfs", "adlfs") if name in text), getattr(err, "name", None) or text)

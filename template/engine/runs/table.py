@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from template.engine.runs import CHECKPOINTS, CONFIG, INTERRUPTED, LOGS, METRICS, PROVENANCE, configs, settled
+from template.engine.runs import CHECKPOINTS, CONFIG, INTERRUPTED, LOGS, METRICS, PROVENANCE, configs, read_starts
 
 # Keys that differ between runs without saying anything about how they differ.
 _IGNORED_KEYS = {"ckpt_path", "run.name"}
@@ -39,7 +39,7 @@ def find_runs(root: Path) -> list[Path]:
 
 def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
     """One run's cells under ``HEADER`` (``-`` for what it did not write) and its config, flattened."""
-    starts, config, metrics = _read_starts(folder), _flatten(_read_config(folder)), _read_metrics(folder / METRICS)
+    starts, config, metrics = read_starts(folder), _flatten(_read_config(folder)), _read_metrics(folder / METRICS)
     monitor = config.get("checkpoint.monitor")
     values = _column(metrics, monitor) if monitor else []
     best = (max if config.get("checkpoint.mode", "min") == "max" else min)(values, default=0.0)
@@ -59,14 +59,6 @@ def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
         _duration(sum(_seconds(start) for start in starts)) if starts else "-",
         f"{speed[-1]:.0f}" if speed else "-",
     ], config
-
-
-def _read_starts(folder: Path) -> list[dict[str, Any]]:
-    try:
-        starts = json.loads((folder / PROVENANCE).read_text())["starts"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return settled([s for s in starts if isinstance(s, dict)])
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -107,11 +99,8 @@ def _status(starts: list[dict[str, Any]], folder: Path) -> str:
         return "interrupted" if (folder / CHECKPOINTS / INTERRUPTED).exists() else "-"
     last = starts[-1]
     status = str(last.get("status", "-"))
-    if status == "interrupted":
-        return f"interrupted ({last.get('signal', '?')})"
-    if status == "failed":
-        return f"failed ({last.get('error', '?')})"
-    return status
+    detail = {"interrupted": "signal", "failed": "error"}.get(status)  # what stopped it
+    return f"{status} ({last.get(detail, '?')})" if detail else status
 
 
 def _seconds(start: dict[str, Any]) -> float:
@@ -155,19 +144,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("root", nargs="?", default=".", help="a folder holding lightning_logs/, or run folders")
     parser.add_argument("--csv", metavar="FILE", help="also write the table to FILE as CSV")
     args = parser.parse_args(argv)
-    root, remote = Path(args.root), None
-    if "://" in args.root:  # object storage: its runs' files read in a local copy (fsspec, no torch)
-        from template.engine.runs.remote import RemoteRoot
+    if "://" not in args.root:
+        _print(Path(args.root), args.csv)
+        return
+    from template.engine.runs.remote import RemoteRoot  # object storage: its runs' files read in a local copy, no torch
 
-        remote = RemoteRoot(args.root, option="runs ROOT")
+    remote = RemoteRoot(args.root, option="runs ROOT")
+    try:
         root = remote.fetch_all(
             lambda name: name in (PROVENANCE, CONFIG, METRICS) or name.startswith("config.restart-")
         )
-    try:
         _print(root, args.csv)
     finally:
-        if remote is not None:
-            remote.close()
+        remote.close()
 
 
 def _print(root: Path, csv_path: str | None) -> None:

@@ -182,8 +182,7 @@ def read_visible_gpus(request: FreeRequest) -> list[tuple[int, int]]:
         if not handles:
             raise ConfigError(_no_gpu(request, hidden, "NVML lists no GPU" if hidden is None else "none visible"))
         _number_gpus_in_pci_order(request, [_text(pynvml.nvmlDeviceGetName(handle)) for handle in handles])
-        memory = [pynvml.nvmlDeviceGetMemoryInfo(handle) for handle in handles]
-        return [(int(m.free), int(m.total)) for m in memory]
+        return [(int(m.free), int(m.total)) for m in map(pynvml.nvmlDeviceGetMemoryInfo, handles)]
     except pynvml.NVMLError as err:  # e.g. a GPU NVML may not query from inside a container
         raise ConfigError(
             f"trainer.devices={request.text!r} cannot read the GPUs' free memory (NVML: {err}); list the devices "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from jsonargparse.typing import OpenUnitInterval, PositiveInt
@@ -39,24 +40,19 @@ class EMA(EMAWeightAveraging):
                 setattr(pl_module, name, value)
 
 
+@dataclass
 class EMAOptions:
-    """The ``ema`` options: validation, checkpoints' ``state_dict`` and ``export`` use the averaged weights."""
+    """The ``ema`` options: validation, checkpoints' ``state_dict`` and ``export`` use the averaged weights.
 
-    def __init__(
-        self,
-        decay: OpenUnitInterval | None = None,
-        update_every_n_steps: PositiveInt = 1,
-        update_starting_at_step: int | None = None,
-    ) -> None:
-        """
-        Args:
-            decay: the weight of the average at each update, e.g. 0.999; null (the default) keeps no average.
-            update_every_n_steps: update the average every N optimizer steps.
-            update_starting_at_step: start averaging at this step (before it the average follows the weights).
-        """
-        self.decay = decay
-        self.update_every_n_steps = update_every_n_steps
-        self.update_starting_at_step = update_starting_at_step
+    Args:
+        decay: the weight of the average at each update, e.g. 0.999; null (the default) keeps no average.
+        update_every_n_steps: update the average every N optimizer steps.
+        update_starting_at_step: start averaging at this step (before it the average follows the weights).
+    """
+
+    decay: OpenUnitInterval | None = None
+    update_every_n_steps: PositiveInt = 1
+    update_starting_at_step: int | None = None
 
 
 def ema_callbacks(decay: float | None, **options: Any) -> list[EMA]:

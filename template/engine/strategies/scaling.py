@@ -134,8 +134,8 @@ class BatchScaling(Callback):
         batch = per_process_batch_size(self.global_batch_size, trainer.world_size, trainer.accumulate_grad_batches)
         # A data.batch_size other than the constructor's default was set on purpose: it would be silently replaced.
         current = holders[-1][1].batch_size
-        default = _default_batch_size(holders[-1][0])
-        if default is not None and current not in (batch, default):
+        default = getattr(inspect.signature(type(holders[-1][0])).parameters.get("batch_size"), "default", None)
+        if default not in (None, inspect.Parameter.empty) and current not in (batch, default):
             raise ConfigError(
                 f"data.batch_size={current} and scaling.global_batch_size={self.global_batch_size} "
                 f"both set the batch (the global one gives {batch} per process); keep one of them"
@@ -248,12 +248,3 @@ def format_summary(summary: dict) -> str:
         f"device(s), world size {s['world_size']}{f' ({env})' if (env := s['cluster_environment']) else ''}; "
         f"{batch}; {lr}; precision {s['precision']}; seed {s['seed']}"
     )
-
-
-def _default_batch_size(datamodule: Any) -> Any:
-    """The ``batch_size`` default of the DataModule's constructor, or None when it has none."""
-    try:
-        parameter = inspect.signature(type(datamodule)).parameters.get("batch_size")
-    except (TypeError, ValueError):
-        return None
-    return None if parameter is None or parameter.default is parameter.empty else parameter.default

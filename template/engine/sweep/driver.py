@@ -73,6 +73,7 @@ class Driver:
     folder: Path
     slots: list[str]
     gpus: dict[str, str]
+    env: dict[str, str]  # for the trials, over this process's
     title: str  # its console lines' start
     folds: int = 0
     running: dict[str, Running] = field(default_factory=dict)
@@ -119,10 +120,9 @@ class Driver:
         return 128 + self.stop_signal
 
     def _start_next(self, slot: str) -> None:
-        trials, running = self._trials(), {r.trial.number for r in self.running.values()}
+        trials = self._trials()
         # This worker's, killed before it started, while it ran or before its end was recorded: taken up again.
-        mine = [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("worker") == slot]
-        if mine := [t for t in mine if t.number not in running]:
+        if mine := [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("worker") == slot]:
             trial = Trial(self.study, self._id(mine[0]))
         else:
             n, waiting = self.sweep.n_trials, any(t.state == TrialState.WAITING for t in trials)
@@ -157,6 +157,7 @@ class Driver:
         path = self.folder / f"{run}.yaml"
         atomic_write(path, lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()))
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # the trial is no SLURM task
+        env.update(self.env)
         if slot in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot]
         if self.sweep.gpu_memory_fraction is not None:

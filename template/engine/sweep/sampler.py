@@ -47,7 +47,10 @@ class TrialSeeded(optuna.samplers.BaseSampler):
             _point(search_space, t.params or queued_values(t)): t.number for t in trials if t.number != trial.number
         }
         for attempt in range(2 * _DRAWS):
-            proposal = {**_draw(self._sampler(trial.number, attempt), study, trial, search_space), **fixed}
+            # One proposal for the whole space: both samplers (TPE is univariate) choose each option on its own.
+            sampler = self._sampler(trial.number, attempt)
+            drawn = {k: sampler.sample_independent(study, trial, k, d) for k, d in search_space.items()}
+            proposal = {**drawn, **fixed}
             if _point(search_space, proposal) not in taken:
                 return proposal
         grid = _grid(search_space, fixed)
@@ -77,18 +80,6 @@ def _seed(seed: int | None, number: int, attempt: int) -> int | None:
     if seed is None:
         return None
     return int.from_bytes(hashlib.sha256(f"{seed}/{number}/{attempt}".encode()).digest()[:4], "little")
-
-
-def _draw(
-    sampler: optuna.samplers.BaseSampler, study: optuna.Study, trial: FrozenTrial, space: dict[str, BaseDistribution]
-) -> dict[str, Any]:
-    """One proposal of ``sampler`` for the whole space, as Optuna's trial asks it: relative first, then per option."""
-    inferred = sampler.infer_relative_search_space(study, trial)
-    values = sampler.sample_relative(study, trial, {k: d for k, d in inferred.items() if k in space})
-    for name, distribution in space.items():
-        if name not in values:
-            values[name] = sampler.sample_independent(study, trial, name, distribution)
-    return values
 
 
 def _point(space: dict[str, BaseDistribution], values: dict[str, Any]) -> tuple | None:

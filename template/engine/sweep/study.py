@@ -11,7 +11,6 @@ import inspect
 import io
 import json
 import logging.handlers
-import os
 import pydoc
 import re
 import statistics
@@ -157,10 +156,10 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
     storage = storage or _journal(folder / JOURNAL)
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    env = {}  # for the trials
     if remote is not None:
         remote.pull(folder, recursive=False)
-        shared = os.environ.get(COPIES)
-        os.environ[COPIES] = json.dumps({remote.url: str(remote.local)})
+        env[COPIES] = json.dumps({remote.url: str(remote.local)})
     slots = claim_slots(folder, sweep.workers)
     try:
         study = open_study(sweep, space, storage, folds)
@@ -169,7 +168,7 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
                 study.enqueue_trial(values)
         gpus = slot_gpus(trainer, list(slots), sweep.trials_per_gpu)
         title = f"{'CV' if cv else 'Sweep'} {sweep.name}"
-        code = Driver(sweep, space, configs, storage, study, folder, list(slots), gpus, title, folds).run()
+        code = Driver(sweep, space, configs, storage, study, folder, list(slots), gpus, env, title, folds).run()
         if code == 0:
             write_results(study, folder, sweep.objective, cv)
             url = _without_password(sweep.storage) if sweep.storage else folder / JOURNAL
@@ -180,10 +179,6 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
             lock.release()
         optuna.logging.set_verbosity(verbosity)
         if remote is not None:  # the sweep's own files (trial configs and logs, results); each trial uploads its run
-            if shared is None:
-                del os.environ[COPIES]
-            else:
-                os.environ[COPIES] = shared
             remote.sync(folder, recursive=False)
             remote.flush()
             remote.close()
