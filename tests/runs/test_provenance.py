@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from template.engine.runs import read_starts
 from template.engine.runs.provenance import _this_process, exit_status, git_state
 from tests.conftest import CONFIGS, REPO
 
@@ -80,6 +81,15 @@ def test_each_process_names_the_devices_it_trains_on(monkeypatch, world_size, ro
     devices = [torch.device(d) for d in parallel] if parallel else None
     strategy = SimpleNamespace(world_size=world_size, root_device=torch.device(root), parallel_devices=devices)
     assert _this_process(SimpleNamespace(strategy=strategy))["devices"] == expected
+
+
+def test_a_record_that_cannot_be_read_is_shown_as_none_and_never_replaced(tmp_path: Path) -> None:
+    (tmp_path / "provenance.json").mkdir()  # unreadable as a file, whoever runs the test
+    assert read_starts(tmp_path) == []  # the runs table shows "-"
+    with pytest.raises(IsADirectoryError):
+        read_starts(tmp_path, writing=True)  # a new start fails rather than write a record over it
+    (tmp_path / "provenance.json").rmdir()
+    assert read_starts(tmp_path, writing=True) == []  # none yet: a new record
 
 
 def test_each_start_of_a_run_is_appended(run_main, tmp_path: Path) -> None:

@@ -53,12 +53,16 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
-def read_starts(folder: str | os.PathLike) -> list[dict[str, Any]]:
-    """The starts in the run folder's ``provenance.json``, oldest first and ``settled``; none for a missing file or one
-    written by hand or by another tool."""
+def read_starts(folder: str | os.PathLike, writing: bool = False) -> list[dict[str, Any]]:
+    """The starts in the run folder's ``provenance.json``, oldest first and ``settled``; none for a missing file, one
+    written by hand or by another tool, or, unless ``writing`` (a new record would replace it), an unreadable one."""
     try:
         starts = json.loads((Path(folder) / PROVENANCE).read_text())["starts"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except OSError as err:
+        if writing and not isinstance(err, FileNotFoundError):
+            raise
+        return []
+    except (ValueError, KeyError, TypeError):
         return []
     return settled([start for start in starts if isinstance(start, dict)])
 

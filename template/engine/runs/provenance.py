@@ -120,7 +120,7 @@ class Provenance(Callback):
             return
         self._path = Path(log_dir) / PROVENANCE
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        entries = read_starts(log_dir)
+        entries = read_starts(log_dir, writing=True)
         git = git_state(Path(__file__).resolve().parent)
         if git.get("commit") and (diff := git.pop("diff")):
             git["diff_file"] = f"git-{len(entries) + 1}.diff"
@@ -167,7 +167,7 @@ class Provenance(Callback):
         self._entry.update(end=_now(), seconds=round(time.monotonic() - self._started, 3), **exit_status(exception))
         self._entry.update(epochs=trainer.current_epoch, steps=trainer.global_step)
         try:
-            self._write([*read_starts(self._path.parent)[:-1], self._entry])
+            self._write([*read_starts(self._path.parent, writing=True)[:-1], self._entry])
         except OSError:
             if exception is None:
                 raise
