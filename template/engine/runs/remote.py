@@ -190,7 +190,7 @@ class RemoteRoot:
 
     def _upload(self) -> None:
         pointed: str | None = None
-        deferred: set[Path] = set()  # removals, done at once but the named checkpoint's: once the pointer moves on
+        deferred: set[Path] = set()  # removals; the pointed checkpoint's waits until the pointer names another
         while True:
             with self._changed:
                 while not self._queue:
