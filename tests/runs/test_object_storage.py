@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -344,6 +345,53 @@ def in_process(s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S3:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3.endpoint})
     return s3
+
+
+def test_the_pointer_moves_only_after_the_logs_written_before_its_checkpoint(
+    in_process: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The uploader held on its first file, so that the rest queues up as it does behind a slow store: metrics.csv
+    # queued, then a checkpoint, then metrics.csv written again (the checkpoint's own step, which Lightning logs
+    # after the batch-end hooks that save it). A kill once the pointer names the checkpoint must find on the store
+    # every row written before it.
+    from template.engine.runs.remote import RemoteRoot
+
+    remote = RemoteRoot(f"{in_process.bucket()}/runs")
+    run = remote.local / "lightning_logs" / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    held, uploads = threading.Event(), []
+    put_file, pipe_file = remote.fs.put_file, remote.fs.pipe_file
+
+    def put(local: str, key: str, **kwargs: object) -> None:
+        held.wait(timeout=60)
+        uploads.append((Path(local).name, Path(local).read_text()))
+        put_file(local, key, **kwargs)
+
+    def pipe(key: str, value: bytes, **kwargs: object) -> None:
+        uploads.append((key.rsplit("/", 1)[-1], value.decode()))
+        pipe_file(key, value, **kwargs)
+
+    monkeypatch.setattr(remote.fs, "put_file", put)
+    monkeypatch.setattr(remote.fs, "pipe_file", pipe)
+    try:
+        (run / "hparams.yaml").write_text("{}\n")
+        remote.sync(run)  # the upload held
+        (run / "metrics.csv").write_text("step\n0\n1\n2\n")
+        remote.sync(run)
+        (run / "checkpoints" / "last.ckpt").write_text("step 3")
+        remote.push(run / "checkpoints" / "last.ckpt", newest=True)
+        (run / "metrics.csv").write_text("step\n0\n1\n2\n3\n")
+        remote.sync(run)
+        held.set()
+        remote.flush()
+    finally:
+        held.set()
+        remote.close()
+    names = [name for name, _ in uploads]
+    pointer = names.index("newest")
+    assert "metrics.csv" in names[:pointer], uploads
+    assert uploads[names.index("metrics.csv")][1].startswith("step\n0\n1\n2\n"), uploads
+    assert names[names.index("last.ckpt") + 1] == "newest" and uploads[pointer][1] == "last.ckpt", uploads
 
 
 @pytest.mark.parametrize("case", MISTAKES, ids=list(MISTAKES))

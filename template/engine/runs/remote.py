@@ -144,8 +144,8 @@ class RemoteRoot:
         self._call(lambda: self.fs.put_file(str(local), url_to_fs(url)[1]), f"write {url}")
 
     def push(self, local: Path, newest: bool = False) -> None:
-        """Upload ``local`` (a file of the copy) after what is queued; ``newest``: then point the run at it. A file
-        queued again before its upload started moves to the end, so the pointer follows the newest push."""
+        """Upload ``local`` (a file of the copy) after what is queued; ``newest``: then point the run at it. A
+        checkpoint pushed again before its upload started moves to the end, so the pointer follows the newest push."""
         self._enqueue(Path(local), "newest" if newest else "put")
 
     def remove(self, local: Path) -> None:
@@ -181,8 +181,11 @@ class RemoteRoot:
     def _enqueue(self, path: Path, action: str) -> None:
         with self._changed:
             self._raise()
-            earlier = self._queue.pop(path, None)
-            self._queue[path] = "newest" if earlier == "newest" and action == "put" else action
+            # A checkpoint moves to the end: the pointer follows the newest push. A log file (put) queued already keeps
+            # its place, before the checkpoints queued after it whose steps it holds: its upload reads it as it is then.
+            if action != "put" or path not in self._queue:
+                self._queue.pop(path, None)
+                self._queue[path] = action
             self._changed.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._upload, name="run-folder-upload", daemon=True)
