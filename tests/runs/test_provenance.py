@@ -42,7 +42,27 @@ def test_git_state_names_the_commit_and_the_uncommitted_diff(tmp_path: Path) -> 
     (tmp_path / "new.py").write_text("")
     dirty = git_state(tmp_path)
     assert dirty["commit"] == clean["commit"] and dirty["dirty"] is True
-    assert "-x = 1\n+x = 2" in dirty["diff"] and dirty["untracked"] == ["new.py"]
+    assert "-x = 1\n+x = 2" in dirty["diff"] and dirty["modified"] == ["a.py"] and dirty["untracked"] == ["new.py"]
+
+
+@needs_git
+def test_git_state_lists_the_whole_repositorys_files_from_the_engines_folder(tmp_path: Path) -> None:
+    """The engine asks git from its own folder; a user's new model and edited config elsewhere are listed all the same."""
+    engine = tmp_path / "lab" / "engine" / "runs"
+    engine.mkdir(parents=True)
+    (engine / "provenance.py").write_text("")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "default.yaml").write_text("model: {}\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "first")
+    (tmp_path / "configs" / "default.yaml").write_text("model: {lr: 0.1}\n")
+    (tmp_path / "lab" / "my_model.py").write_text("class MyModel: ...\n")
+    (tmp_path / "configs" / "mine.yaml").write_text("")
+    state = git_state(engine)
+    assert state["untracked"] == ["configs/mine.yaml", "lab/my_model.py"]
+    assert state["dirty"] is True and "+model: {lr: 0.1}" in state["diff"]
+    assert state["modified"] == ["configs/default.yaml"]
 
 
 @needs_git

@@ -31,20 +31,22 @@ from template.engine.strategies.devices import process_devices
 
 # The distributions whose versions decide what a run computes; others installed are not listed.
 PACKAGES = ("torch", "lightning", "torchmetrics", "torchdata", "jsonargparse", "numpy", "mlflow-skinny", "wandb")
+# Whole-repository pathspecs (":/"): run in the engine's folder, git would list only what lies below it.
 _GIT_COMMANDS = [
     ("rev-parse", "HEAD"),
-    ("diff", "HEAD", "--no-color", "--no-ext-diff"),
-    ("ls-files", "--others", "--exclude-standard", "--full-name"),
+    ("diff", "HEAD", "--no-color", "--no-ext-diff", ":/"),
+    ("diff", "HEAD", "--name-only", ":/"),
+    ("ls-files", "--others", "--exclude-standard", "--full-name", ":/"),
 ]
 
 
 def git_state(directory: str | os.PathLike) -> dict[str, Any]:
-    """The commit checked out in ``directory``'s repository, whether tracked files differ from it, the diff and the
+    """The commit checked out in ``directory``'s repository, the diff from it, and the whole repository's modified and
     untracked files; outside a repository, or without git, ``commit`` is None and ``reason`` says why. Never raises."""
 
     def git(args: tuple[str, ...]) -> subprocess.CompletedProcess:
         # Milliseconds, unless the repository is on a hung network filesystem.
-        command = ["git", "-C", str(directory), *args]
+        command = ["git", "-C", str(directory), "-c", "diff.relative=false", *args]
         return subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=10)
 
     try:
@@ -58,8 +60,9 @@ def git_state(directory: str | os.PathLike) -> dict[str, Any]:
         if result.returncode != 0:
             reason = result.stderr.strip() or f"git {args[0]} exited with {result.returncode}"
             return {"commit": None, "reason": one_line(reason)[:300]}
-    commit, diff, untracked = (result.stdout for result in done)
-    return {"commit": commit.strip(), "dirty": bool(diff), "diff": diff, "untracked": untracked.splitlines()}
+    commit, diff, modified, untracked = (result.stdout for result in done)
+    files = {"modified": modified.splitlines(), "untracked": untracked.splitlines()}
+    return {"commit": commit.strip(), "dirty": bool(diff), "diff": diff, **files}
 
 
 def package_versions() -> dict[str, str]:
