@@ -1,6 +1,6 @@
 """A bare Lightning Trainer around the example module and data on 2 DDP CPU processes, as a script would run it, with
 the collective counter. Usage: python bare_trainer_counts.py <workdir> [gpu], with the same options as
-tests/test_step_collectives.py gives the project; ``gpu``: one GPU instead. Lightning's launcher starts rank 1 by
+tests/logs/test_step_collectives.py gives the project; ``gpu``: one GPU instead. Lightning's launcher starts rank 1 by
 running this script again."""
 
 from __future__ import annotations

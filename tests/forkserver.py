@@ -1,9 +1,9 @@
 """Start ``python -m <package> ...`` commands by forking one process that has imported the package already.
 
-The matrix of tests/test_exact_resume.py starts the command line about 300 times; importing torch and Lightning is
-most of each start. This server imports them once and forks a child per command. A child leaves the server's state
-behind (session, folder, environment, streams, signal handlers) and runs the package as ``python -m`` does, then
-ends as an interpreter does (atexit handlers, its own exit code or signal).
+The matrix of tests/resume/test_exact_resume.py starts the command line about 300 times; importing torch and
+Lightning is most of each start. This server imports them once and forks a child per command. A child leaves the
+server's state behind (session, folder, environment, streams, signal handlers) and runs the package as ``python -m``
+does, then ends as an interpreter does (atexit handlers, its own exit code or signal).
 
 Protocol, one JSON object per line: a request ``{"args", "cwd", "env", "log"}`` on stdin is answered on stdout with
 ``{"pid": ...}`` when the child started, then ``{"returncode": ...}`` (negative: the signal that ended it) when it

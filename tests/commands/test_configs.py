@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 import yaml
 
 from template.engine.resume import checkpoints
-from tests.conftest import CONFIGS, cli_env
+from tests.conftest import CONFIGS, REPO, cli_env
 
 FEW_STEPS = ("--trainer.max_steps=3", "--trainer.limit_val_batches=2", "--trainer.num_sanity_val_steps=0")
 FEW_STEPS += ("--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
@@ -83,8 +84,6 @@ def _has_sweep_command() -> bool:
 
 
 def _python_m() -> list[str]:
-    import sys
-
     from tests.conftest import PACKAGE
 
     return [sys.executable, "-m", PACKAGE]
@@ -109,7 +108,16 @@ def test_every_config_file_has_a_case() -> None:
             _case(name)
         except KeyError:
             unknown.append(name)
-    assert not unknown, f"add a case for {unknown} to tests/test_configs.py"
+    assert not unknown, f"add a case for {unknown} to {Path(__file__).resolve().relative_to(REPO)}"
+
+
+def test_a_config_without_a_case_names_the_file_that_takes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cancer.yaml").write_text("model:\n  class_path: lab.model.CancerMLP\n")  # a user's new config
+    monkeypatch.setattr(sys.modules[__name__], "CONFIGS", tmp_path)
+    with pytest.raises(AssertionError, match=r"add a case for \['cancer.yaml'\] to ") as failed:
+        test_every_config_file_has_a_case()
+    named = str(failed.value).splitlines()[0].rsplit(" to ", 1)[1]
+    assert (REPO / named).resolve() == Path(__file__).resolve()
 
 
 @pytest.mark.slow  # one training subprocess per shipped file: a staleness guard for CI

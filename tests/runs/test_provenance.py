@@ -47,7 +47,7 @@ def test_git_state_names_the_commit_and_the_uncommitted_diff(tmp_path: Path) -> 
 
 @needs_git
 def test_git_state_lists_the_whole_repositorys_files_from_the_engines_folder(tmp_path: Path) -> None:
-    """The engine asks git from its own folder; a user's new model and edited config elsewhere are listed all the same."""
+    """The engine asks git from its own folder; a user's new model and edited config elsewhere are listed as well."""
     engine = tmp_path / "lab" / "engine" / "runs"
     engine.mkdir(parents=True)
     (engine / "provenance.py").write_text("")

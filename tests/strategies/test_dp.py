@@ -1,6 +1,6 @@
 """strategy dp on CPU: selection by name, YAML, command line and class_path; the one-line errors; the wrap/unwrap
 routing and checkpoint keys. Without CUDA ``nn.DataParallel`` is a pass-through, so the split itself is only
-exercised by tests/test_dp_gpu.py."""
+exercised by tests/strategies/test_dp_gpu.py."""
 
 from __future__ import annotations
 
