@@ -15,6 +15,8 @@ from cookiecutter_bake.files import live_files, templated_files
 
 LICENSES = ("MIT", "Apache-2.0", "BSD-3-Clause", "none")
 _PACKAGE = re.compile(r"[a-z][a-z0-9_]*")
+# Longer names push lines that name their modules (imports, class paths in strings) past the lint's line length.
+MAX_PACKAGE_LENGTH = 30
 _SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[^@\s]+")
 _REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -66,6 +68,11 @@ def _check_package(name: str, root: Path) -> None:
         raise AnswerError(
             f"package_name {name!r} is not a valid lowercase Python identifier; use lowercase letters, digits "
             "and '_', starting with a letter (e.g. 'my_project')"
+        )
+    if len(name) > MAX_PACKAGE_LENGTH:
+        raise AnswerError(
+            f"package_name {name!r} is longer than {MAX_PACKAGE_LENGTH} characters, too long for lines that name its "
+            "modules to fit the lint's line length; choose a shorter package_name"
         )
     if keyword.iskeyword(name) or keyword.issoftkeyword(name):
         raise AnswerError(f"package_name {name!r} is a Python keyword; {fix}")

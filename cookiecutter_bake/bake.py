@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
@@ -160,42 +161,98 @@ def _reading_order(section: str) -> int:
     return FIRST_HEADINGS.index(heading) if heading in FIRST_HEADINGS else len(FIRST_HEADINGS)
 
 
-def finish(project_dir: Path, answers: Mapping[str, object]) -> None:
-    """Drop what renders empty on purpose (LICENSE for 'none'); re-sort imports and re-wrap lines for the new name."""
+def finish(root: Path, project_dir: Path, answers: Mapping[str, object]) -> None:
+    """Drop what renders empty on purpose (LICENSE for 'none'); re-sort imports and re-wrap lines for the new name;
+    make the project a git repository with a first commit."""
     for rel in ("LICENSE",):
         path = project_dir / rel
         if path.is_file() and not path.read_text(encoding="utf-8").strip():
             path.unlink()
-    _ruff(project_dir)
+    _ruff(root, project_dir)
+    _first_commit(project_dir, answers)
 
 
-def _ruff(project_dir: Path) -> None:
-    """A name of another length moves line breaks and import order; ruff puts them where the project's lint wants.
+def ruff_version(root: Path) -> str | None:
+    """The ruff that the dev extra pins (``"ruff==X"`` in pyproject.toml): the one whose format the lint test checks."""
+    match = re.search(r"[\"']ruff==([\w.]+)[\"']", (root / "pyproject.toml").read_text(encoding="utf-8"))
+    return match.group(1) if match else None
 
-    ruff comes with the template's dev extra; without it the bake still works, and says what to run.
+
+def _ruff(root: Path, project_dir: Path) -> None:
+    """A name of another length moves line breaks and import order; the pinned ruff puts them where the lint wants.
+
+    Where cookiecutter runs without that ruff (installed alone), pip fetches it into a temporary folder, installing
+    nothing. Formatting comes first and last: a fix (a re-sorted import) can move what the formatter decides.
     """
-    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
-    if not ruff:
-        print(f"note: ruff not found; run `ruff check --fix . && ruff format .` once in {project_dir}", file=sys.stderr)
+    version = ruff_version(root)
+    requirement = f"ruff=={version}" if version else "ruff"
+    fix = f"`pip install {requirement} && ruff format . && ruff check --fix . && ruff format .`"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            ruff = _installed_ruff(version) or _fetched_ruff(requirement, Path(tmp))
+        except (OSError, subprocess.SubprocessError) as err:
+            print(f"note: cannot get {requirement} to format the renamed code ({err}); run {fix} in {project_dir}",
+                  file=sys.stderr)  # fmt: skip
+            return
+        for step in (["format"], ["check", "--fix"], ["format"]):
+            _run([ruff, *step, "--no-cache", "--quiet", "."], project_dir)
+        left = _run([ruff, "check", "--no-cache", "--output-format", "concise", "--quiet", "."], project_dir)
+    if left:  # nothing for the names that the answers accept; a fork's own longer lines, perhaps
+        first = left.splitlines()[0]
+        print(f"note: {len(left.splitlines())} lint error(s) left (first: {first}); fix them by hand", file=sys.stderr)
+
+
+def _installed_ruff(version: str | None) -> str | None:
+    """The ruff beside this Python or on PATH, if it is the pinned version."""
+    found = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if found and (version is None or _run([found, "--version"], Path.cwd()).split()[-1:] == [version]):
+        return found
+    return None
+
+
+def _fetched_ruff(requirement: str, folder: Path) -> str:
+    """``requirement`` installed by pip into ``folder``, nothing else; OSError says why it could not be."""
+    print(f"note: {requirement} is not installed here; pip fetches it into a temporary folder", file=sys.stderr)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input"]
+    done = subprocess.run([*command, "--target", str(folder), requirement], capture_output=True, text=True, timeout=600)
+    ruff = folder / "bin" / "ruff"
+    if done.returncode != 0 or not ruff.is_file():
+        raise OSError((done.stderr.strip().splitlines() or [f"pip exited with {done.returncode}"])[-1])
+    return str(ruff)
+
+
+def _first_commit(project_dir: Path, answers: Mapping[str, object]) -> None:
+    """The project starts as a git repository with one commit, so that its first run's provenance.json names a commit.
+
+    Git's own identity signs it; where git has none, the author's answers do. Without git, one line says so.
+    """
+    if shutil.which("git") is None:
+        print("note: git is not installed: the project is no git repository, and its runs record no commit until it is",
+              file=sys.stderr)  # fmt: skip
         return
-    for command in (["check", "--fix", "--select", "I", "--no-cache"], ["format", "--no-cache"]):
-        _run([ruff, *command, "--quiet", "."], project_dir)
-    # What formatting cannot fix: a longer name pushing a comment or docstring past the line length.
-    long_lines = _run(
-        [ruff, "check", "--no-cache", "--select", "E501", "--output-format", "concise", "--quiet", "."], project_dir
-    )
-    if long_lines:
-        first = long_lines.splitlines()[0].split(": ")[0]
-        count = len(long_lines.splitlines())
-        print(
-            f"note: with this package name {count} line(s) exceed the lint's line length (first: {first}); "
-            "shorten them, or bake again with a shorter package_name",
-            file=sys.stderr,
-        )
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=project_dir, capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+
+    if git("rev-parse", "--show-toplevel").returncode == 0:  # inside the user's own repository: theirs to commit
+        print(f"note: {project_dir} lies in a git repository already: nothing committed", file=sys.stderr)
+        return
+    identity = []
+    for key, answer in (("user.name", "author_name"), ("user.email", "author_email")):
+        if git("config", key).returncode != 0:  # not configured: the answer signs (GIT_AUTHOR_* variables still win)
+            identity += ["-c", f"{key}={answers[answer]}"]
+    message = f"{answers['project_name']}: first commit"
+    for step in (["init", "-q"], ["add", "-A"], [*identity, "commit", "-q", "-m", message]):
+        done = git(*step)
+        if done.returncode != 0:
+            reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            print(f"note: the project's first commit failed ({reason}); commit it yourself", file=sys.stderr)
+            return
 
 
 def _run(command: list[str], cwd: Path) -> str:
     try:
-        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=60).stdout.strip()
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120).stdout.strip()
     except (OSError, subprocess.SubprocessError) as err:
         return str(err)

@@ -18,7 +18,7 @@ from cookiecutter_bake.bake import copy_live_files, finish  # noqa: E402
 
 try:
     copy_live_files(TEMPLATE_ROOT, Path.cwd(), ANSWERS)
-    finish(Path.cwd(), ANSWERS)
+    finish(TEMPLATE_ROOT, Path.cwd(), ANSWERS)
 except (AnswerError, FileExistsError) as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)

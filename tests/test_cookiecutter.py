@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -26,6 +27,8 @@ from tests.conftest import REPO, cli_env
 
 OLD = template.__name__
 sys.path.insert(0, str(REPO))  # the cookiecutter-only package, for the rename unit test
+from cookiecutter_bake.answers import MAX_PACKAGE_LENGTH  # noqa: E402
+from cookiecutter_bake.bake import ruff_version  # noqa: E402
 from cookiecutter_bake.rename import Renamer  # noqa: E402
 from cookiecutter_bake.wrap import rewrap  # noqa: E402
 
@@ -44,6 +47,8 @@ CUSTOM = {
     "license": "none",
     "python_version": "3.12",
 }
+# The longest package name the answers accept: its bake passes its own lint as well.
+LONG = ("time_series_forecaster_" * 2)[:MAX_PACKAGE_LENGTH]
 TIMEOUT = 120
 
 
@@ -205,8 +210,12 @@ def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) 
     assert (project / ".ci" / "run").stat().st_mode & stat.S_IXUSR
     workflow = yaml.safe_load((project / ".github" / "workflows" / "tests.yml").read_text())
     assert "python -m pytest -n auto" in [step.get("run") for step in workflow["jobs"]["tests"]["steps"]]
-    hooks = yaml.safe_load((project / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"]
-    assert [hook["id"] for hook in hooks] == ["ruff-check", "ruff-format"]
+    ruff_hooks = yaml.safe_load((project / ".pre-commit-config.yaml").read_text())["repos"][0]
+    assert [hook["id"] for hook in ruff_hooks["hooks"]] == ["ruff-check", "ruff-format"]
+    assert ruff_hooks["rev"] == f"v{ruff_version(REPO)}"  # the ruff the lint test and the bake format with
+    # A git repository from the start, everything in its first commit: the first run's provenance.json names it.
+    assert run(["git", "log", "--format=%s"], project).stdout == "Lightning Project: first commit\n"
+    assert run(["git", "status", "--porcelain", "--ignored"], project).stdout == ""
     assert (project / ".gitignore").read_text() == (REPO / ".gitignore").read_text()
 
     meta = tomllib.loads((project / "pyproject.toml").read_text())
@@ -255,28 +264,53 @@ def readme_commands(readme: str) -> list[str]:
     return [command.strip() for command in line.split("&&")]
 
 
+def fresh_environment(venv: Path) -> dict[str, str]:
+    """A new virtual environment (never this repository's: a dependency missing there shows here) and the variables
+    that activate it, with no ruff on PATH."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTEST_ADDOPTS")}
+    env = {k: v for k, v in env.items() if not k.startswith("PL_")}
+    others = [folder for folder in env["PATH"].split(os.pathsep) if folder and not shutil.which("ruff", path=folder)]
+    env.update(VIRTUAL_ENV=str(venv), PATH=os.pathsep.join([str(venv / "bin"), *others]), PYTHONUNBUFFERED="1")
+    return env
+
+
+def shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    return done
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_custom_bake_passes_its_own_readme_commands_in_a_fresh_environment(custom_bake: Path, tmp_path: Path) -> None:
-    """What its user does: a new virtual environment, the README's install command, the README's test command."""
-    project = custom_bake
+def test_a_bake_by_cookiecutter_alone_passes_its_own_readme_commands(tmp_path: Path) -> None:
+    """What README.md tells its user: `pip install cookiecutter` (no ruff, no dev extra), the bake; then, in a new
+    environment, the baked README's install and test commands, its lint test among them. The longest package name
+    the answers accept bakes lint-clean too."""
+    baking = fresh_environment(tmp_path / "baking")
+    shell("pip install cookiecutter", tmp_path, baking, 600)
+    assert shutil.which("ruff", path=baking["PATH"]) is None
+    assert subprocess.run(["python", "-c", "import ruff"], env=baking, capture_output=True).returncode != 0
+    projects = {}
+    for name in (CUSTOM["package_name"], LONG):
+        out = tmp_path / name
+        answers = [f"{key}={value}" for key, value in {**CUSTOM, "package_name": name}.items()]
+        baked = shell(shlex.join(["cookiecutter", "--no-input", str(REPO), "-o", str(out), "--config-file",
+                                  str(_config(out)), *answers]), tmp_path, baking, 900)  # fmt: skip
+        assert f"ruff=={ruff_version(REPO)} is not installed here" in baked.stderr  # so the bake fetched it
+        projects[name] = out / "digit-lab"
+
+    project = projects[CUSTOM["package_name"]]
     install, test = readme_commands((project / "README.md").read_text())
     assert install.startswith("pip install") and '".[dev]"' in install and test.startswith("python -m pytest")
-    venv = tmp_path / "venv"  # never this repository's environment: a dependency missing there shows here
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, capture_output=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME") and not k.startswith("PL_")}
-    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", PYTHONUNBUFFERED="1")
-    env.pop("PYTEST_ADDOPTS", None)
-    for command, timeout in ((install, 1200), (test, 1800)):
-        done = subprocess.run(
-            ["bash", "-c", command], cwd=project, env=env, capture_output=True, text=True, timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        output = f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
-        assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{output}"
-    summary = done.stdout.strip().splitlines()[-1]
+    env = fresh_environment(tmp_path / "venv")
+    shell(install, project, env, 1200)
+    summary = shell(test, project, env, 1800).stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
-    assert (venv / "bin" / CUSTOM["package_name"]).is_file()  # the console script landed in the new environment
+    assert (tmp_path / "venv" / "bin" / CUSTOM["package_name"]).is_file()  # the console script landed there
+    # The longest name's own lint test (ruff and import-linter), with the tools the README's install brought.
+    shell("python -m pytest -q tests/test_lint.py", projects[LONG], {**env, "PYTHONPATH": str(projects[LONG])}, 600)
 
 
 @pytest.mark.parametrize(
@@ -290,6 +324,7 @@ def test_custom_bake_passes_its_own_readme_commands_in_a_fresh_environment(custo
         ("package_name", "configs", "already a top-level file or folder"),
         ("package_name", "My-Pkg", "is not a valid lowercase Python identifier"),
         ("package_name", "1st", "is not a valid lowercase Python identifier"),
+        ("package_name", LONG + "x", f"is longer than {MAX_PACKAGE_LENGTH} characters"),
         ("project_slug", "../escape", "must be a folder name, not a path"),
         ("project_slug", "/tmp/abs", "must be a folder name, not a path"),
         ("project_slug", ".hidden", "is not a safe folder name"),
@@ -308,6 +343,42 @@ def test_invalid_answer_is_refused_before_anything_is_written(
     assert message in str(err.value) and "\n" not in str(err.value)
     assert sorted(p.name for p in out.iterdir()) == ["cookiecutterrc.yaml"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # ../escape did not land beside it either
+
+
+def test_longest_package_name_bakes_lint_clean(tmp_path: Path) -> None:
+    """Its imports and class paths grow by the most: the bake's ruff and re-wrapping keep its own lint test passing."""
+    project = bake(tmp_path, package_name=LONG)
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    for command in (["check"], ["format", "--check"]):  # what the baked tests/test_lint.py runs
+        lint = run([ruff, *command, "--no-cache", "--output-format", "concise", "."], project)
+        assert lint.returncode == 0, lint.stdout[-3000:]
+
+
+def _without_git_identity(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    for name in [k for k in os.environ if k.startswith(("GIT_AUTHOR_", "GIT_COMMITTER_", "GIT_CONFIG"))]:
+        monkeypatch.delenv(name)
+    for name in ("HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(name, str(home))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+
+
+def test_first_commit_is_signed_by_the_author_where_git_has_no_identity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _without_git_identity(monkeypatch, tmp_path)
+    project = bake(tmp_path / "out", **CUSTOM)
+    log = run(["git", "log", "--format=%an <%ae>: %s"], project, HOME=str(tmp_path)).stdout
+    assert log == "Ann O'Neil <ann@example.org>: Digit Lab: first commit\n"
+
+
+def test_without_git_the_bake_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd) -> None:  # noqa: ANN001
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # this Python and ruff, no git
+    project = bake(tmp_path, package_name="no_git")
+    assert not (project / ".git").exists() and (project / "no_git" / "__init__.py").is_file()
+    said = [line for line in capfd.readouterr().err.splitlines() if "git" in line]
+    assert said == [
+        "note: git is not installed: the project is no git repository, and its runs record no commit until it is"
+    ]
 
 
 def test_command_line_reports_a_bad_answer_in_one_line(tmp_path: Path) -> None:
@@ -379,12 +450,11 @@ def _copy_live_tree(dest: Path) -> Path:
 
 
 def test_plain_folder_without_git(tmp_path: Path) -> None:
+    def files(project: Path) -> list[Path]:  # the project's own, not its new repository's objects
+        return sorted(p.relative_to(project) for p in project.rglob("*") if p.is_file() and ".git" not in p.parts)
+
     project = bake(tmp_path / "out", _copy_live_tree(tmp_path / "plain"), package_name="walked")
-    assert sorted(p.relative_to(project) for p in project.rglob("*") if p.is_file()) == sorted(
-        p.relative_to(tmp_path / "baseline" / "lightning-project")
-        for p in bake(tmp_path / "baseline", package_name="walked").rglob("*")
-        if p.is_file()
-    )
+    assert files(project) == files(bake(tmp_path / "baseline", package_name="walked"))
     assert not (project / "lightning_logs").exists() and leftovers(project) == []
 
 
@@ -424,7 +494,7 @@ def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
     assert json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["package_name"] == "via_cruft"
 
     # The template moves on while the user edits their project; `cruft update` merges both.
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "baked"]):
+    for args in (["add", "-A"], ["commit", "-q", "-m", "cruft's record"]):  # the bake made the first commit
         assert run(["git", *args], project).returncode == 0
     (project / "configs" / "default.yaml").write_text((project / "configs" / "default.yaml").read_text() + "# mine\n")
     assert run(["git", "commit", "-qam", "my edit"], project).returncode == 0
