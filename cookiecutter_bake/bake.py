@@ -161,15 +161,16 @@ def _reading_order(section: str) -> int:
     return FIRST_HEADINGS.index(heading) if heading in FIRST_HEADINGS else len(FIRST_HEADINGS)
 
 
-def finish(root: Path, project_dir: Path, answers: Mapping[str, object]) -> None:
+def finish(root: Path, project_dir: Path, answers: Mapping[str, object], commit: bool = True) -> None:
     """Drop what renders empty on purpose (LICENSE for 'none'); re-sort imports and re-wrap lines for the new name;
-    make the project a git repository with a first commit."""
+    with ``commit``, make the project a git repository with a first commit."""
     for rel in ("LICENSE",):
         path = project_dir / rel
         if path.is_file() and not path.read_text(encoding="utf-8").strip():
             path.unlink()
     _ruff(root, project_dir)
-    _first_commit(project_dir, answers)
+    if commit:
+        _first_commit(project_dir, answers)
 
 
 def ruff_version(root: Path) -> str | None:

@@ -42,13 +42,22 @@ def _check(answers: Mapping[str, object]) -> str:
     return "yes"
 
 
+def _under_cruft() -> bool:
+    # cruft bakes here too, for `cruft update` and `cruft diff` into folders it compares as plain trees: a .git in
+    # them would enter the comparison. Its own `create` leaves the repository to the user, as cruft's docs say.
+    return "cruft" in sys.modules
+
+
 def _readme_body(answers: Mapping[str, object]) -> str:
     return readme_body(Path(template_root()), answers)
 
 
 class BakeExtension(Extension):
-    """Adds ``template_root()``, ``check_answers(cookiecutter)`` and ``readme_body(cookiecutter)`` to Jinja."""
+    """Adds ``template_root()``, ``check_answers(cookiecutter)``, ``readme_body(cookiecutter)`` and ``under_cruft()``
+    to Jinja."""
 
     def __init__(self, environment: Environment) -> None:
         super().__init__(environment)
-        environment.globals.update(template_root=template_root, check_answers=_check, readme_body=_readme_body)
+        environment.globals.update(
+            template_root=template_root, check_answers=_check, readme_body=_readme_body, under_cruft=_under_cruft
+        )

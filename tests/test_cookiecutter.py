@@ -232,6 +232,7 @@ def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) 
     assert "strategy:" in readme and "cookiecutter" not in readme.lower()
     headings = [line for line in readme.splitlines() if line.startswith("## ")]
     assert headings[:2] == ["## Quickstart", "## Where to put your model and data"]
+    assert "It starts as a git repository whose first commit" in readme
     # Nothing says how the project was made: it reads as written by hand.
     told = [f"{path.relative_to(project)}: {m.group(0)!r}" for path, text in text_files(project).items()
             for m in re.finditer(r"(?i)cookiecutter|cruft|\bbak(?:e|ed|ing)\b|\brenamed by\b", text)]  # fmt: skip
@@ -493,8 +494,10 @@ def test_git_url_and_cruft_create_then_update(tmp_path: Path) -> None:
     assert "python -m via_cruft fit" in (project / "README.md").read_text()
     assert json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["package_name"] == "via_cruft"
 
+    # cruft compares bakes as plain trees, so under cruft the bake makes no repository: the user does, as cruft says.
+    assert not (project / ".git").exists() and "git repository" not in (project / "README.md").read_text()
     # The template moves on while the user edits their project; `cruft update` merges both.
-    for args in (["add", "-A"], ["commit", "-q", "-m", "cruft's record"]):  # the bake made the first commit
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "baked"]):
         assert run(["git", *args], project).returncode == 0
     (project / "configs" / "default.yaml").write_text((project / "configs" / "default.yaml").read_text() + "# mine\n")
     assert run(["git", "commit", "-qam", "my edit"], project).returncode == 0
