@@ -162,8 +162,8 @@ def _reading_order(section: str) -> int:
 
 
 def finish(root: Path, project_dir: Path, answers: Mapping[str, object], commit: bool = True) -> None:
-    """Drop what renders empty on purpose (LICENSE for 'none'); re-sort imports and re-wrap lines for the new name;
-    with ``commit``, make the project a git repository with a first commit."""
+    """Drop what renders empty on purpose (LICENSE for 'none'); format the renamed code with the pinned ruff; with
+    ``commit``, make the project a git repository with a first commit."""
     for rel in ("LICENSE",):
         path = project_dir / rel
         if path.is_file() and not path.read_text(encoding="utf-8").strip():
