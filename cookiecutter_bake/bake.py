@@ -195,9 +195,10 @@ def _ruff(root: Path, project_dir: Path) -> None:
             print(f"note: cannot get {requirement} to format the renamed code ({err}); run {fix} in {project_dir}",
                   file=sys.stderr)  # fmt: skip
             return
-        for step in (["format"], ["check", "--fix"], ["format"]):
-            _run([ruff, *step, "--no-cache", "--quiet", "."], project_dir)
-        left = _run([ruff, "check", "--no-cache", "--output-format", "concise", "--quiet", "."], project_dir)
+        quiet = ["--no-cache", "--quiet", "."]
+        _run([ruff, "format", *quiet], project_dir)
+        left = _run([ruff, "check", "--fix", "--output-format", "concise", *quiet], project_dir)  # what it cannot fix
+        _run([ruff, "format", *quiet], project_dir)
     if left:  # nothing for the names that the answers accept; a fork's own longer lines, perhaps
         first = left.splitlines()[0]
         print(f"note: {len(left.splitlines())} lint error(s) left (first: {first}); fix them by hand", file=sys.stderr)
