@@ -43,7 +43,7 @@ from template.engine.logs.loggers import LogsBeforeCheckpoints, run_loggers
 from template.engine.resume import checkpoints
 from template.engine.resume.continuation import Run, continue_run, periodic_checkpoint
 from template.engine.resume.states import RNGStateCheckpoint
-from template.engine.runs import LOGS, folder, run_dir
+from template.engine.runs import LOGS, configs, folder, run_dir
 from template.engine.runs.folder import RunConfigCallback, RunFolders, RunOptions, newest_under, run_folder_arguments
 from template.engine.runs.provenance import Provenance
 from template.engine.runs.remote import RemoteRoot, is_remote
@@ -507,7 +507,7 @@ def callbacks(
             if isinstance(metric := getattr(callback, "monitor", None), str) and getattr(callback, "strict", True):
                 monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
         tracked = tracking.has_trackers([*(trackers or []), *_listed(trainer_config.get("logger"))])
-        added += [*([MonitorCheck(monitors)] if monitors else []), *([tracking.TrackerRuns()] if tracked else [])]
+        added += [*([MonitorCheck(monitors)] if monitors else []), *([tracking.TrackerRuns(configs)] if tracked else [])]
         added += [LogsBeforeCheckpoints()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
         # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.

@@ -14,7 +14,6 @@ from typing import Any
 LOGS = "lightning_logs"  # under trainer.default_root_dir: one folder per run
 CONFIG = "config.yaml"  # the config of the run's first start; a differing restart's is config.restart-<n>.yaml
 PROVENANCE = "provenance.json"  # one entry per start: how the run was made and how that start ended
-METRICS = "metrics.csv"  # the CSV logger's
 CHECKPOINTS = "checkpoints"  # the run's checkpoints, unless checkpoint.dirpath puts them elsewhere
 LAST = "last.ckpt"  # written at every validation (the checkpoint section's ModelCheckpoint)
 INTERRUPTED = "interrupted.ckpt"  # written when a signal stops the run (jobs/preemption.py)
