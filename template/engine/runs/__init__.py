@@ -47,6 +47,14 @@ def config_of(checkpoint: str | os.PathLike) -> Path | str:
     return Path(checkpoint).resolve().parent.parent / CONFIG
 
 
+def evaluations(root: str | os.PathLike | None, checkpoint: str | None) -> Path:
+    """Where validate, test and predict of ``checkpoint`` log: in the folder of its run (where it is writable), else
+    in ``<root>/lightning_logs``."""
+    config = config_of(checkpoint) if checkpoint and Path(checkpoint).exists() else None
+    ours = isinstance(config, Path) and config.is_file() and os.access(config.parent, os.W_OK)
+    return config.parent if ours else Path(root or ".") / LOGS
+
+
 def is_sharded(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a sharded checkpoint: a folder of torch distributed checkpoint shards (strategy fsdp)."""
     return (Path(path) / ".metadata").is_file()

@@ -38,9 +38,7 @@ def find_runs(root: Path) -> list[Path]:
     names as numbers (version_2 before version_10); checkpoints skipped."""
     found = []
     for directory, subdirectories, files in os.walk(root):  # in order: each level's folders sorted
-        subdirectories[:] = sorted(
-            (d for d in subdirectories if d != CHECKPOINTS and not d.startswith(".")), key=_natural
-        )
+        subdirectories[:] = sorted((d for d in subdirectories if d != CHECKPOINTS and d[:1] != "."), key=_natural)
         if {PROVENANCE, CONFIG, METRICS} & set(files):
             found.append(Path(directory))
     return found
