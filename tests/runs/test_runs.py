@@ -170,7 +170,9 @@ def _run_folder(folder: Path, config: str, status: str | None = "finished") -> N
 @pytest.fixture
 def runs_of_two_models(tmp_path: Path) -> Path:
     """Three runs of two models whose configs differ in long keys, and a validate of one's checkpoint."""
-    optimizer = "model:\n  class_path: {}\n  init_args:\n    optimizer:\n      init_args: {{lr: {}, betas: [0.9, 0.999]}}\n"
+    optimizer = (
+        "model:\n  class_path: {}\n  init_args:\n    optimizer:\n      init_args: {{lr: {}, betas: [0.9, 0.999]}}\n"
+    )
     logs = tmp_path / "lightning_logs"
     for version, model, lr in [(2, "my_code.Regressor", 0.01), (10, "my_code.Regressor", 0.1), (1, "a.b.Other", 0.01)]:
         config = optimizer.format(model, lr) + "checkpoint: {monitor: val_acc, mode: max}\ntrainer: {max_epochs: 30}\n"
@@ -215,7 +217,10 @@ def test_runs_csv_on_stdout_holds_whole_names_for_scripts(runs_of_two_models: Pa
 
 @pytest.mark.parametrize(
     ("option", "fragment"),
-    [(["--columns", "run,lrr"], "--columns: no column 'lrr'"), (["--where", "lr"], "--where 'lr': give COLUMN=PATTERN")],
+    [
+        (["--columns", "run,lrr"], "--columns: no column 'lrr'"),
+        (["--where", "lr"], "--where 'lr': give COLUMN=PATTERN"),
+    ],
 )
 def test_a_column_that_does_not_exist_is_one_line(runs_of_two_models: Path, run_main, option, fragment) -> None:  # noqa: ANN001
     done = run_main("runs", str(runs_of_two_models), *option)

@@ -60,7 +60,9 @@ class Blobs(LightningDataModule):
         return DataLoader(self.val, batch_size=self.batch_size)
 
     def predict_dataloader(self):
-        return DataLoader(self.new, batch_size=self.batch_size)  # in the file's order: predictions.csv's index is the row
+        return DataLoader(
+            self.new, batch_size=self.batch_size
+        )  # in the file's order: predictions.csv's index is the row
 
 
 def blobs(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -586,7 +586,7 @@ class PaddedValidation(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for loader in [] if self.said else _listed(trainer.val_dataloaders):
-            sampler = getattr(loader, "sampler", None)
+            sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)  # a StatefulDataLoader's too
             if isinstance(sampler, DistributedSampler) and (extra := sampler.total_size - len(sampler.dataset)) > 0:
                 self.said = True
                 rank_zero_info(
