@@ -208,7 +208,7 @@ def _print(root: Path, args: argparse.Namespace) -> None:
         names = [key.replace("init_args.", "") for key in header]  # a config key by its last part, where that is unique
         last = [name.rsplit(".", 1)[-1] for name in names]
         short = [name if last.count(part) > 1 else part for name, part in zip(names, last, strict=True)]
-        if args.wide:
+        if args.wide:  # whole names and values, however wide
             print(format_table(header, rows, max_width=10**6))
         else:
             print(format_table(short, rows, width=shutil.get_terminal_size().columns))
