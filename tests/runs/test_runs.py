@@ -185,6 +185,7 @@ def test_runs_fit_the_terminal_and_list_evaluations_by_stage(runs_of_two_models:
     from template.engine.runs.table import main
 
     monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)  # a terminal 80 wide (a pipe gets every column)
     main([str(runs_of_two_models)])
     lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 80 for line in lines), lines

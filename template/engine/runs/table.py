@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime
@@ -211,7 +212,7 @@ def _print(root: Path, args: argparse.Namespace) -> None:
         if args.wide:  # whole names and values, however wide
             print(format_table(header, rows, max_width=10**6))
         else:
-            print(format_table(short, rows, width=shutil.get_terminal_size().columns))
+            print(format_table(short, rows, width=shutil.get_terminal_size().columns if sys.stdout.isatty() else None))
     if not args.csv:
         return
     text = io.StringIO(newline="")
