@@ -529,7 +529,8 @@ def callbacks(
             if isinstance(metric := getattr(callback, "monitor", None), str) and getattr(callback, "strict", True):
                 monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
         tracked = tracking.has_trackers([*(trackers or []), *_listed(trainer_config.get("logger"))])
-        added += [*([MonitorCheck(monitors)] if monitors else []), *([tracking.TrackerRuns(configs)] * tracked)]
+        added += [MonitorCheck(monitors)] if monitors else []
+        added += [tracking.TrackerRuns(configs)] if tracked else []
         added += [LogsBeforeCheckpoints(), PaddedValidation()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
         # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.

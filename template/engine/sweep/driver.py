@@ -231,10 +231,9 @@ class Driver:
                     return  # still running in the study, this worker's: _start_next runs its next fold
         if ending == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
+            # Its record says so, not "interrupted" by the SIGTERM that stopped it.
             starts = read_starts(self.folder / running.folder)
-            if (
-                starts and starts[-1].get("status") == "interrupted"
-            ):  # by the SIGTERM that pruned it: its record says so
+            if starts and starts[-1].get("status") == "interrupted":
                 write_starts(self.folder / running.folder, [*starts[:-1], {**starts[-1], "status": "pruned"}])
         elif value is not None:
             self.study.tell(trial, value)
