@@ -392,6 +392,17 @@ def test_built_experiment_is_none_until_a_logger_creates_it(tmp_path) -> None:  
         assert internals.built_experiment(logger) is built
 
 
+def test_lr_finder_without_bar_draws_no_bar_and_changes_nothing_else(capsys) -> None:  # noqa: ANN001
+    from lightning.pytorch.tuner import Tuner
+
+    with internals.lr_finder_without_bar():
+        found = Tuner(_trainer()).lr_find(BoringModel(), num_training=5, early_stop_threshold=None, update_attr=False)
+    assert "Finding best initial lr" not in capsys.readouterr().err
+    assert len(found.results["lr"]) == 5  # the finder ran its steps
+    Tuner(_trainer()).lr_find(BoringModel(), num_training=5, early_stop_threshold=None, update_attr=False)
+    assert "Finding best initial lr" in capsys.readouterr().err  # Lightning's own, without the patch
+
+
 def test_fsdp_helpers_do_what_model_parallel_strategy_does(tmp_path) -> None:  # noqa: ANN001
     # The name ModelParallelStrategy.load_checkpoint reads a sharded checkpoint's unsharded part from.
     from lightning.fabric.strategies.model_parallel import _load_checkpoint

@@ -4,6 +4,7 @@ naming the package, its version and the name (the fix: a version from README's "
 
 from __future__ import annotations
 
+import functools
 import importlib
 import subprocess
 import threading
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from importlib.metadata import version
 from typing import Any
+from unittest import mock
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -230,6 +232,13 @@ def built_experiment(logger: Any) -> Any:
     """The logger's experiment (CSV writer, SummaryWriter) if it exists, else None: ``logger.experiment`` would create
     it, and its folder."""
     return _require(logger, "_experiment", "lightning", "leaving metrics.csv intact when a save fails")
+
+
+def lr_finder_without_bar() -> Any:
+    """A patch (a context manager) that keeps Lightning's learning-rate finder from drawing its bar, which it draws
+    whatever the Trainer's ``enable_progress_bar``."""
+    tqdm = _imported("lightning.pytorch.tuner.lr_finder", "tqdm", "tune lr without a progress bar")
+    return mock.patch("lightning.pytorch.tuner.lr_finder.tqdm", functools.partial(tqdm, disable=True))
 
 
 # Lightning and torch: strategy fsdp, which replaces ModelParallelStrategy.setup and keeps its steps.

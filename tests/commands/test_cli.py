@@ -65,8 +65,9 @@ def test_evaluate_the_checkpoint(trained, run_cli, subcommand, metric):
     ckpt = workdir / "lightning_logs/version_0/checkpoints/last.ckpt"
     result = run_cli(subcommand, "--config", CONFIGS / "default.yaml", "--ckpt_path", ckpt, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = max((workdir / "lightning_logs").iterdir(), key=lambda p: int(p.name.split("_")[1]))
-    assert float(_metrics(run_dir)[-1][metric]) >= 0.9
+    # Its logs belong with the run of the checkpoint it read, in a folder of their own.
+    assert [p.name for p in (workdir / "lightning_logs").iterdir()] == ["version_0"]
+    assert float(_metrics(workdir / f"lightning_logs/version_0/{subcommand}/version_0")[-1][metric]) >= 0.9
 
 
 def test_predict_writes_one_prediction_per_test_sample(trained, run_cli):
@@ -75,9 +76,13 @@ def test_predict_writes_one_prediction_per_test_sample(trained, run_cli):
     result = run_cli("predict", "--config", CONFIGS / "default.yaml", "--ckpt_path", ckpt, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     path = Path((result.stdout + result.stderr).split("Predictions: ")[1].split()[0])
+    assert path == workdir / "lightning_logs/version_0/predict/version_0/predictions.csv"  # with the checkpoint's run
     rows = list(csv.DictReader((workdir / path).open()))
     assert [int(r["index"]) for r in rows] == list(range(179))
     assert {int(r["prediction"]) for r in rows} <= set(range(10))
+    # The runs table lists it with the run, by its stage.
+    listed = run_cli("runs", "--columns", "run,status,epochs", "--csv", "-", cwd=workdir)
+    assert "version_0/predict/version_0,predict,-" in listed.stdout.splitlines(), listed.stdout
 
 
 @pytest.mark.slow

@@ -24,6 +24,13 @@ def _one_line(done) -> str:  # noqa: ANN001
     return done.stderr
 
 
+def _refused(done) -> str:  # noqa: ANN001
+    """The one error line of a finder that ran (Lightning's own lines before it), without a traceback."""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return errors[0]
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
@@ -49,9 +56,10 @@ def test_lr_without_matplotlib_names_the_extra(tmp_path: Path, run_main, monkeyp
 
 @pytest.mark.slow
 def test_tune_lr_writes_the_plot_and_a_config_that_fit_uses(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    # From 1e-4, 30 steps reach the rates where the loss falls (from 1e-8 the curve is nearly flat).
     done = run_cli(
         "tune", "lr", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=cpu", "--tune.num_training=30",
-        "--tune.output=tuned/lr.yaml",
+        "--tune.min_lr=1e-4", "--tune.output=tuned/lr.yaml",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     written = yaml.safe_load((tmp_path / "tuned/lr.yaml").read_text())
@@ -73,9 +81,10 @@ def test_tune_lr_writes_the_plot_and_a_config_that_fit_uses(tmp_path: Path, run_
 @pytest.mark.slow
 def test_tune_lr_sets_lightning_cli_optimizer_when_the_config_names_one(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
     optimizer = ["--optimizer=SGD", "--optimizer.lr=0.5", "--optimizer.momentum=0.9"]
+    # From 1e-3, 20 steps reach the rates where the loss falls (from 1e-8 the curve is flat).
     done = run_cli(
         "tune", "lr", "--config", CONFIGS / "default.yaml", *optimizer, "--trainer.accelerator=cpu",
-        "--tune.num_training=20",
+        "--tune.num_training=20", "--tune.min_lr=1e-3",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lr = yaml.safe_load((tmp_path / "tune-lr.yaml").read_text())["optimizer"]["init_args"]["lr"]
@@ -96,6 +105,34 @@ def test_tune_batch_size_under_ddp_searches_one_device_and_writes_its_config(tmp
     assert "the finder runs on one" in done.stdout + done.stderr
     # Power scaling from 2: three trials that all fit on the CPU end at 2 * 2 * 2.
     assert yaml.safe_load((tmp_path / "tune-batch_size.yaml").read_text()) == {"data": {"init_args": {"batch_size": 8}}}
-    assert "Batch size 8 per process (data.init_args.batch_size)" in done.stdout, done.stdout
+    assert "Batch size 8 per process (data.init_args.batch_size): the largest that ran\n" in done.stdout, done.stdout
     assert not (tmp_path / "lightning_logs").exists()
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.slow  # a finder's 30 steps
+def test_a_flat_curve_is_reported_not_written_and_the_finder_stays_quiet(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    # Up to 1e-6, Adam barely moves the weights: the loss is flat, and its "steepest descent" means nothing.
+    done = run_cli(
+        "tune", "lr", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=cpu", "--tune.max_lr=1e-6",
+        "--tune.num_training=30", "--trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    line = _refused(done)
+    assert "tune lr: the loss does not fall at the learning rate the finder suggests" in line, line
+    assert "see tune-lr.png" in line and "--tune.max_lr" in line, line
+    assert (tmp_path / "tune-lr.png").is_file() and not (tmp_path / "tune-lr.yaml").exists()
+    # No bar with the bar off; none of Lightning's lines about the finder's own fit and checkpoint.
+    for noise in ("Finding best initial lr", "weights_only", "`Trainer.fit` stopped", "Restoring states"):
+        assert noise not in done.stdout + done.stderr, noise
+
+
+@pytest.mark.slow  # the finder's trials up to the whole data set
+def test_a_batch_larger_than_the_data_is_reported_not_written(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+    done = run_cli("tune", "batch_size", "--config", CONFIGS / "default.yaml", "--trainer.accelerator=cpu")
+    line = _refused(done)
+    assert "every batch size tried ran, up to 2048, which takes all 1439 training samples" in line, line
+    assert "choose data.init_args.batch_size by speed or accuracy" in line, line
+    assert not (tmp_path / "tune-batch_size.yaml").exists()
+    output = done.stdout + done.stderr
+    assert "Batch size 1024 succeeded, trying batch size 2048" in output  # Lightning's line per trial stays
+    assert "will continue with full run" not in output and "`Trainer.fit` stopped" not in output

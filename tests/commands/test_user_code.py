@@ -257,3 +257,31 @@ def test_a_chosen_class_is_parsed_once_when_named_by_class_path(tmp_path, monkey
     assert fit["data"]["class_path"].endswith(expected)
     if init_args is not None:
         assert dict(vars(fit["data"]["init_args"])) == init_args  # Waves' own defaults, not the digits' batch_size
+
+
+@pytest.mark.slow  # a fit and a predict
+def test_predict_on_new_rows_from_the_datamodules_path_option(tmp_path, monkeypatch, caplog):
+    # docs/your-code.md: a DataModule reads new rows from its own option; the predictions file is predict's option.
+    import numpy as np
+
+    from template.engine.commands.cli import main
+    from tests.user_code.my_code import blobs
+
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", [PACKAGE])
+    config = {**USER_CONFIG, "trainer": {**USER_CONFIG["trainer"], "max_epochs": 2}}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
+    main(["fit", "--config", "user.yaml", "--run.name=blobs"])
+    x, y = blobs(50, seed=7)  # rows the model never saw, their labels kept aside
+    np.savetxt(tmp_path / "new.csv", x.numpy(), delimiter=",")
+    checkpoint = "lightning_logs/blobs/checkpoints/last.ckpt"
+    main(["predict", "--config", "user.yaml", "--ckpt_path", checkpoint, "--data.predict_path=new.csv",
+          "--predictions=out/new.csv"])  # fmt: skip
+    assert "Predictions: out/new.csv" in caplog.text
+    rows = list(csv.DictReader((tmp_path / "out/new.csv").open()))
+    assert [int(r["index"]) for r in rows] == list(range(50))  # one row per line of new.csv, in its order
+    assert sum(int(r["prediction"]) == label for r, label in zip(rows, y.tolist(), strict=True)) >= 45
+    # The predict run's logs went beside the run of its checkpoint.
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["blobs"]
+    assert (tmp_path / "lightning_logs/blobs/predict/version_0/config.yaml").is_file()

@@ -45,7 +45,8 @@ def test_first_lines_name_the_changes_to_user_objects_and_their_switches() -> No
         ({"enable_progress_bar": False}, ("progress bar",)),
     ],
 )
-def test_a_switched_off_mechanism_is_not_announced(switch: dict, gone: tuple) -> None:
+def test_a_switched_off_mechanism_is_not_announced(switch: dict, gone: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)  # the progress bar draws on a terminal only
     before = first_lines(_trainer(), fit=True)
     after = first_lines(_trainer(**switch), fit=True)
     for name in gone:
@@ -72,12 +73,13 @@ def test_pieces_follow_their_switches() -> None:
         console.TimedProgressBar,
         console.MonitorCheck,
         LogsBeforeCheckpoints,
+        cli.PaddedValidation,
         Preemption,
         Provenance,
     ]
     quiet = Run(None, None, None, resume=False, preemption=False)
     kinds = [type(c) for c in cli.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
-    assert kinds == [LogsBeforeCheckpoints, Provenance]  # they only write files in the run's folder
+    assert kinds == [LogsBeforeCheckpoints, cli.PaddedValidation, Provenance]  # they only write or say
     averaged = [type(c) for c in cli.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]]
     # A stop's checkpoint at a batch's end holds that batch's update of the average.
     assert averaged.index(EMA) < averaged.index(Preemption)
@@ -110,3 +112,37 @@ def test_monitor_check_waits_for_training_metrics_and_names_what_is_logged() -> 
         console.MonitorCheck({"checkpoint.monitor": "val_acc"}).on_sanity_check_end(after_sanity, None)
     after_epoch = SimpleNamespace(callback_metrics={"train_mse": 1.0, "val_mse": 1.0}, sanity_checking=False)
     console.MonitorCheck({"checkpoint.monitor": "train_mse"}).on_validation_end(after_epoch, None)
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "log-file"])
+def test_the_progress_bar_draws_on_a_terminal_only(terminal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A log that is not a terminal (a sweep trial's, a cluster job's) gets no carriage-return redraws, and the first
+    # lines do not announce a bar that is not drawn.
+    monkeypatch.setattr("sys.stdout.isatty", lambda: terminal)
+    trainer = _trainer()
+    assert trainer.progress_bar_callback.is_enabled is terminal
+    assert ("  progress bar " in first_lines(trainer, fit=True)) is terminal
+
+
+def test_tracker_runs_log_restart_configs_in_their_order(tmp_path) -> None:  # noqa: ANN001
+    # A W&B run's config is the newest config.restart-<n>.yaml's: restart-10 comes after restart-2, not before.
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    from template.engine.runs import configs
+
+    logged = []
+
+    class Recorded(WandbLogger):
+        def __init__(self) -> None:  # no W&B run: only its config's updates are recorded
+            pass
+
+        version = "run-1"
+        experiment = SimpleNamespace(config=SimpleNamespace(update=lambda values, **_: logged.append(values["config"])))
+
+    for name, n in [("config.yaml", 0), ("config.restart-2.yaml", 2), ("config.restart-10.yaml", 10)]:
+        (tmp_path / name).write_text(f"n: {n}\n")
+    trainer = SimpleNamespace(log_dir=str(tmp_path), loggers=[Recorded()], is_global_zero=True)
+    TrackerRuns(configs).on_fit_start(trainer, None)
+    assert [config["n"] for config in logged] == [0, 2, 10]

@@ -157,3 +157,73 @@ def test_an_unwritable_csv_is_one_line_and_leaves_files_as_they_were(tmp_path: P
     assert str(tmp_path / target) in errors[0] and "--csv" in errors[0], errors[0]
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
     assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def _run_folder(folder: Path, config: str, status: str | None = "finished") -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(config)
+    (folder / "metrics.csv").write_text("epoch,step,val_acc\n0,3,0.5\n1,7,0.75\n")
+    if status:
+        (folder / "provenance.json").write_text(json.dumps({"starts": [{"status": status, "epochs": 2, "steps": 8}]}))
+
+
+@pytest.fixture
+def runs_of_two_models(tmp_path: Path) -> Path:
+    """Three runs of two models whose configs differ in long keys, and a validate of one's checkpoint."""
+    optimizer = (
+        "model:\n  class_path: {}\n  init_args:\n    optimizer:\n      init_args: {{lr: {}, betas: [0.9, 0.999]}}\n"
+    )
+    logs = tmp_path / "lightning_logs"
+    for version, model, lr in [(2, "my_code.Regressor", 0.01), (10, "my_code.Regressor", 0.1), (1, "a.b.Other", 0.01)]:
+        config = optimizer.format(model, lr) + "checkpoint: {monitor: val_acc, mode: max}\ntrainer: {max_epochs: 30}\n"
+        _run_folder(logs / f"version_{version}", config, "interrupted" if version == 10 else "finished")
+    _run_folder(logs / "version_2/validate/version_0", "checkpoint: {monitor: val_acc, mode: max}\n", status=None)
+    return tmp_path
+
+
+def test_runs_fit_the_terminal_and_list_evaluations_by_stage(runs_of_two_models: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    from template.engine.runs.table import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)  # a terminal 80 wide (a pipe gets every column)
+    main([str(runs_of_two_models)])
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    assert lines[-1].startswith("(") and "more columns: --wide shows them" in lines[-1]
+    # In numeric order, each evaluation under the run of its checkpoint, by its stage; it trained no epochs.
+    assert [line.split()[:2] for line in lines[2:-1]] == [
+        ["version_1", "finished"], ["version_2", "finished"], ["version_2/validate/version_0", "validate"],
+        ["version_10", "interrupted"],
+    ]  # fmt: skip
+    assert lines[4].split()[2:5] == ["val_acc=0.75", "-", "-"]
+    main([str(runs_of_two_models), "--wide"])
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert "model.init_args.optimizer.init_args.lr" in header and "model.class_path" in header
+    main([str(runs_of_two_models), "--columns", "run,lr,class_path", "--where", "status=fin*"])
+    assert [line.split() for line in capsys.readouterr().out.splitlines()] == [
+        ["run", "lr", "class_path"], ["---------", "----", "-----------------"],
+        ["version_1", "0.01", "a.b.Other"], ["version_2", "0.01", "my_code.Regressor"],
+    ]  # fmt: skip
+
+
+def test_runs_csv_on_stdout_holds_whole_names_for_scripts(runs_of_two_models: Path, capsys) -> None:  # noqa: ANN001
+    from template.engine.runs.table import main
+
+    main([str(runs_of_two_models), "--csv", "-", "--where", "lr=0.01", "--where", "run=version_?"])
+    rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
+    assert [row["run"] for row in rows] == ["version_1", "version_2"]
+    assert {row["model.class_path"] for row in rows} == {"a.b.Other", "my_code.Regressor"}
+    assert "model.init_args.optimizer.init_args.lr" not in rows[0]  # the same in both: not a difference
+
+
+@pytest.mark.parametrize(
+    ("option", "fragment"),
+    [
+        (["--columns", "run,lrr"], "--columns: no column 'lrr'"),
+        (["--where", "lr"], "--where 'lr': give COLUMN=PATTERN"),
+    ],
+)
+def test_a_column_that_does_not_exist_is_one_line(runs_of_two_models: Path, run_main, option, fragment) -> None:  # noqa: ANN001
+    done = run_main("runs", str(runs_of_two_models), *option)
+    assert done.returncode == 2 and done.stderr.startswith("error:") and done.stderr.count("\n") == 1, done.stderr
+    assert fragment in done.stderr and "Traceback" not in done.stderr

@@ -33,6 +33,16 @@ def test_ddp_cpu_config_trains_two_processes(run_cli, tmp_path):
     # prepare_data ran once, and none of our own lines is printed twice.
     for line in OUR_LINES:
         assert output.count(line) == 1, line
+    # The sampler gives each process 90 of the 179 validation samples: the repeated one is said, once.
+    assert output.count("Validation under DDP repeats 1 of its 179 samples") == 1, output[-3000:]
+
+    # Predictions under DDP: one file, written by rank 0, every test sample once and in the data's order.
+    ckpt = runs[0] / "checkpoints" / "last.ckpt"
+    result = run_cli("predict", "--config", CONFIGS / "ddp_cpu.yaml", "--ckpt_path", ckpt, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (written,) = tmp_path.rglob("predictions*.csv")
+    assert written == runs[0] / "predict" / "version_0" / "predictions.csv"
+    assert [int(row["index"]) for row in csv.DictReader(written.open())] == list(range(179))
 
 
 def test_every_rank_ends_its_process_group_before_it_exits(tmp_path):

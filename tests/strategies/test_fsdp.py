@@ -77,14 +77,16 @@ def test_validate_test_predict_and_export_read_the_shards(fsdp_run: Path, run_cl
     fitted = _val_accs(fsdp_run / "lightning_logs" / "f")[-1]
     done = run_cli("validate", *FSDP, *TINY, "--ckpt_path", last, timeout=WAIT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (version,) = (tmp_path / "lightning_logs").iterdir()
+    (version,) = (fsdp_run / "lightning_logs" / "f" / "validate").iterdir()  # beside the run of the checkpoint
     assert _val_accs(version) == pytest.approx([fitted], abs=1e-6)
 
     done = run_cli("test", *FSDP, *TINY, "--ckpt_path", last, timeout=WAIT)
     assert done.returncode == 0 and "test_acc" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     done = run_cli("predict", *FSDP, *TINY, "--ckpt_path", last, "--trainer.limit_predict_batches=2", timeout=WAIT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.rglob("predictions*.csv"))
+    (predictions,) = (fsdp_run / "lightning_logs" / "f" / "predict").rglob("predictions*.csv")
+    # One file from both processes, each with two batches of 32: every index once, in the data's order.
+    assert [int(row["index"]) for row in csv.DictReader(predictions.open())] == list(range(128))
 
     # export joins the shards into one plain state_dict that the bare network loads.
     done = run_cli("export", last, "--output", "net.pt", timeout=WAIT)

@@ -272,6 +272,9 @@ def test_ddp_trial_is_pruned_with_a_checkpoint(tmp_path: Path, run_cli) -> None:
     assert (folder / "trial-0002" / "checkpoints" / "interrupted.ckpt").is_file()
     assert "Stopping on SIGTERM" in (folder / "trial-0002.log").read_text()
     assert len(_steps(folder / "trial-0002")) < 6 * 4
+    # Its record and the runs table say it was pruned, not interrupted by a signal.
+    listed = run_cli("runs", "--columns", "run,status", "--csv", "-")
+    assert "s/trial-0002,pruned" in listed.stdout.splitlines(), listed.stdout
 
 
 @pytest.mark.slow

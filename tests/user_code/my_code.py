@@ -3,6 +3,7 @@
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
@@ -23,16 +24,20 @@ class TinyNet(nn.Module):
 
 
 class Blobs(LightningDataModule):
-    """Three Gaussian blobs in 5 dimensions: a different shape and class count than the example."""
+    """Three Gaussian blobs in 5 dimensions: a different shape and class count than the example. ``predict`` reads new
+    rows from a CSV file, ``predict_path`` (5 features a line, no label), as docs/your-code.md shows."""
 
     num_classes = 3
     input_shape = (5,)
 
-    def __init__(self, data_dir: str = "blobs", batch_size: int = 16, samples: int = 600) -> None:
+    def __init__(
+        self, data_dir: str = "blobs", batch_size: int = 16, samples: int = 600, predict_path: str | None = None
+    ) -> None:
         super().__init__()
         self.data_dir = Path(data_dir)
         self.batch_size = batch_size
         self.samples = samples
+        self.predict_path = predict_path
 
     def prepare_data(self) -> None:
         # Append-only log of which process ran prepare_data: the DDP test counts the lines.
@@ -41,10 +46,10 @@ class Blobs(LightningDataModule):
             f.write(f"{os.getpid()}\n")
 
     def setup(self, stage: str) -> None:
-        generator = torch.Generator().manual_seed(0)
-        centres = torch.randn(self.num_classes, *self.input_shape, generator=generator) * 4
-        y = torch.randint(0, self.num_classes, (self.samples,), generator=generator)
-        x = centres[y] + torch.randn(self.samples, *self.input_shape, generator=generator)
+        if stage == "predict":
+            self.new = TensorDataset(torch.from_numpy(np.loadtxt(self.predict_path, delimiter=",", ndmin=2)).float())
+            return
+        x, y = blobs(self.samples, seed=0)
         cut = self.samples * 4 // 5
         self.train, self.val = TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
 
@@ -53,6 +58,21 @@ class Blobs(LightningDataModule):
 
     def val_dataloader(self):
         return DataLoader(self.val, batch_size=self.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(
+            self.new, batch_size=self.batch_size
+        )  # in the file's order: predictions.csv's index is the row
+
+
+def blobs(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``samples`` points of the three blobs and their labels: another ``seed`` draws other points around the same
+    centres."""
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(Blobs.num_classes, *Blobs.input_shape, generator=generator) * 4
+    generator = torch.Generator().manual_seed(seed) if seed else generator
+    y = torch.randint(0, Blobs.num_classes, (samples,), generator=generator)
+    return centres[y] + torch.randn(samples, *Blobs.input_shape, generator=generator), y
 
 
 class Regressor(LightningModule):

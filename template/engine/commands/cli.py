@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from fsspec.utils import get_protocol
 from jsonargparse import Namespace
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -29,6 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 import template
@@ -43,7 +45,7 @@ from template.engine.logs.loggers import LogsBeforeCheckpoints, run_loggers
 from template.engine.resume import checkpoints
 from template.engine.resume.continuation import Run, continue_run, periodic_checkpoint
 from template.engine.resume.states import RNGStateCheckpoint
-from template.engine.runs import LOGS, folder, run_dir
+from template.engine.runs import LOGS, configs, evaluations, folder, run_dir
 from template.engine.runs.folder import RunConfigCallback, RunFolders, RunOptions, newest_under, run_folder_arguments
 from template.engine.runs.provenance import Provenance
 from template.engine.runs.remote import RemoteRoot, is_remote
@@ -105,23 +107,33 @@ COMMANDS: dict[str, Command] = {
 
 
 def _described(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` with its command's description as the docstring, whose first line LightningCLI's --help shows."""
+    """``method`` with its command's description as the docstring's first line, which LightningCLI's --help shows; its
+    arguments' lines (``Args:``) follow."""
 
     @functools.wraps(method)
     def run(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         return method(self, *args, **kwargs)
 
-    run.__doc__ = COMMANDS[method.__name__].description
+    run.__doc__ = f"{COMMANDS[method.__name__].description}\n\n{inspect.cleandoc(method.__doc__ or '')}"
     return run
 
 
 class DescribedTrainer(Trainer):
     """Lightning's Trainer, whose subcommand methods carry this command line's descriptions."""
 
+    def predict(self, *args: Any, predictions: str | None = None, **kwargs: Any) -> Any:
+        """Lightning's ``predict``, writing the predictions to a CSV file, one row per sample in the input's order.
+
+        Args:
+            predictions: the CSV file to write (default: predictions.csv in the log folder)
+        """
+        self.callbacks.append(PredictionWriter(predictions))
+        return super().predict(*args, **kwargs)
+
     fit = _described(Trainer.fit)
     validate = _described(Trainer.validate)
     test = _described(Trainer.test)
-    predict = _described(Trainer.predict)
+    predict = _described(predict)
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -229,7 +241,7 @@ class CLI(LightningCLI):
         remote = self.folders.remote
         local = {"default_root_dir": str(remote.local)} if remote is not None else {}  # its local copy
         kwargs = {
-            **loggers(trainer_config, run, trackers or [], config.get("trackers") or [], remote),
+            **loggers(trainer_config, run, trackers or [], config.get("trackers") or [], remote, subcommand, config),
             **plugins(trainer_config, remote),
             **strategy(trainer_config, config.get("trainer.strategy"), watchdog),
             **callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema"), trackers),
@@ -293,7 +305,8 @@ class CLI(LightningCLI):
 
     def before_predict(self) -> None:
         self.before_fit()
-        self.trainer.callbacks.append(PredictionWriter(write_interval="epoch"))
+        if (path := _of_subcommand(self.config).get("predictions")) is not None:
+            self.folders.prepare(Path(path).absolute().parent, "--predictions")  # not found unwritable at the end
 
     def after_predict(self) -> None:
         writer = next(c for c in self.trainer.callbacks if isinstance(c, PredictionWriter))
@@ -417,15 +430,24 @@ def _attribute(name: str, data: LightningDataModule) -> Any:
 
 
 def loggers(
-    trainer_config: dict[str, Any], run: Run, trackers: list[Any], configs: list[Any], remote: RemoteRoot | None = None
+    trainer_config: dict[str, Any],
+    run: Run,
+    trackers: list[Any],
+    configs: list[Any],
+    remote: RemoteRoot | None = None,
+    subcommand: str = "fit",
+    config: Any = None,
 ) -> dict[str, Any]:
     """The ``logger`` argument: CSV (first: its folder is the run's), TensorBoard, then the trackers (a restarted
-    run's continuing their tracker runs); {} keeps the config's. On object storage (``remote``) each save uploads."""
+    run's continuing their tracker runs); {} keeps the config's. On object storage (``remote``) each save uploads.
+    validate, test and predict log beside the run of their checkpoint, in ``<subcommand>/version_<n>``."""
     trackers = tracking.resume_trackers(trackers, configs, run.directory)
     logger = trainer_config.get("logger")
     if logger in (None, True):
         root = str(remote.local) if remote is not None else trainer_config.get("default_root_dir")
-        made = run_loggers(root, LOGS, run.name, run.resume, run.resume_step)
+        if subcommand != "fit":
+            root = str(evaluations(root, config.get("ckpt_path")))
+        made = run_loggers(root, LOGS if subcommand == "fit" else subcommand, run.name, run.resume, run.resume_step)
         for each in made if remote is not None and run.directory is not None else []:
             each.after_save = functools.partial(remote.sync, run.directory)
         return {"logger": [*made, *trackers]}
@@ -507,8 +529,9 @@ def callbacks(
             if isinstance(metric := getattr(callback, "monitor", None), str) and getattr(callback, "strict", True):
                 monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
         tracked = tracking.has_trackers([*(trackers or []), *_listed(trainer_config.get("logger"))])
-        added += [*([MonitorCheck(monitors)] if monitors else []), *([tracking.TrackerRuns()] if tracked else [])]
-        added += [LogsBeforeCheckpoints()]
+        added += [MonitorCheck(monitors)] if monitors else []
+        added += [tracking.TrackerRuns(configs)] if tracked else []
+        added += [LogsBeforeCheckpoints(), PaddedValidation()]
         added += ema_callbacks(**vars(ema)) if ema is not None else []
         # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.
         preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
@@ -522,33 +545,70 @@ def _listed(value: Any) -> list[Any]:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Saves ``<log_dir>/predictions.csv`` (one per rank under DDP) with each sample's dataset index."""
+    """Saves the predictions with each sample's dataset index in one CSV file, ``path`` (else ``<log_dir>/
+    predictions.csv``), in the input's order: under DDP rank 0 writes every process's rows."""
+
+    def __init__(self, path: str | None = None) -> None:
+        super().__init__(write_interval="epoch")
+        self.given = path
 
     def path(self, trainer: Trainer) -> Path:
-        name = "predictions.csv" if trainer.world_size == 1 else f"predictions-rank{trainer.global_rank}.csv"
-        return Path(trainer.log_dir or trainer.default_root_dir) / name
+        return Path(self.given or Path(trainer.log_dir or trainer.default_root_dir) / "predictions.csv")
 
     def write_on_epoch_end(
         self, trainer: Trainer, pl_module: LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
     ) -> None:
         # Lightning nests both per dataloader, except predictions when there is a single dataloader.
-        if len(batch_indices) > 1:
-            predictions = [batch for per_loader in predictions for batch in per_loader]
-        batch_indices = [indices for per_loader in batch_indices for indices in per_loader]
-        path = self.path(trainer)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["index", "prediction"])
-            for batch, indices in zip(predictions, batch_indices, strict=True):
-                writer.writerows(zip(indices, batch.tolist(), strict=True))
+        if len(batch_indices) == 1:
+            predictions = [predictions]
+        rows = {
+            (loader, index): prediction
+            for loader, (batches, indices) in enumerate(zip(predictions, batch_indices, strict=True))
+            for batch, numbers in zip(batches, indices, strict=True)
+            for index, prediction in zip(numbers, batch.tolist(), strict=True)
+        }
+        if trainer.world_size > 1:  # each process predicted a share of the samples
+            shares: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(shares, rows)
+            rows = {key: prediction for share in shares for key, prediction in share.items()}
+        path = self.path(trainer)  # on every rank: the log folder is a broadcast
+        if trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w", newline="") as f:
+                csv.writer(f).writerows([("index", "prediction"), *((i, p) for (_, i), p in sorted(rows.items()))])
+
+
+class PaddedValidation(Callback):
+    """Says once when DDP's sampler repeats validation samples to give every process as many (719 -> 720): the
+    metrics count those twice. Lightning says so for ``validate`` and ``test``, not inside ``fit``."""
+
+    said = False
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for loader in [] if self.said else _listed(trainer.val_dataloaders):
+            sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)  # a StatefulDataLoader's too
+            if isinstance(sampler, DistributedSampler) and (extra := sampler.total_size - len(sampler.dataset)) > 0:
+                self.said = True
+                rank_zero_info(
+                    f"Validation under DDP repeats {extra} of its {len(sampler.dataset)} samples (the "
+                    f"DistributedSampler gives each of the {sampler.num_replicas} processes as many): its metrics "
+                    "count them twice"
+                )
 
 
 @contextlib.contextmanager
-def _quiet_libraries() -> Iterator[None]:
-    """Library warnings and tips with nothing for the user to do (Lightning's cloud adverts), silenced meanwhile."""
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    rank_zero.addFilter(advertisement := lambda record: "Tip: For seamless cloud" not in record.getMessage())
+def quiet_libraries(*lines: str) -> Iterator[None]:
+    """Library warnings and tips with nothing for the user to do (Lightning's cloud adverts), and Lightning's info
+    ``lines`` (parts of them) that do not hold where this is used, silenced meanwhile."""
+    names = ("utilities.rank_zero", "tuner.batch_size_scaling", "trainer.connectors.checkpoint_connector")
+    loggers = [logging.getLogger(f"lightning.pytorch.{name}") for name in names]
+
+    def noise(record: logging.LogRecord) -> bool:
+        return not any(line in record.getMessage() for line in ("Tip: For seamless cloud", *lines))
+
+    for logger in loggers:
+        logger.addFilter(noise)
     try:
         with warnings.catch_warnings():
             # Lightning trips over its own deprecation in torch's pytree, torchdata over torch's; evaluating a
@@ -561,7 +621,8 @@ def _quiet_libraries() -> Iterator[None]:
                 warnings.filterwarnings("ignore", message=message)
             yield
     finally:
-        rank_zero.removeFilter(advertisement)
+        for logger in loggers:
+            logger.removeFilter(noise)
 
 
 def build_cli(
@@ -595,7 +656,7 @@ def main(args: list[str] | None = None) -> None:
     own: BaseException | None = None
     reported = False
     try:
-        with _quiet_libraries():
+        with quiet_libraries():
             command = COMMANDS.get(argv[0]) if argv else None
             if command is None or command.runs is None:
                 build_cli(argv, folders=folders)

@@ -114,7 +114,9 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
     try:  # torch.export prints its graphs when it fails, and warns of torchvision's operators
         with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"])
+            program = torch.onnx.export(
+                target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"], output_names=["output"]
+            )
     except torch.onnx.OnnxExporterError as err:
         raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
     finally:

@@ -3,7 +3,9 @@ logger, no run folder), writing what it finds as a config file to stack on ``fit
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,9 @@ import yaml
 from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities import rank_zero_info
 
+from template.engine import internals
 from template.engine.commands import preflight
-from template.engine.commands.cli import CLI, PROGRAM, build_cli
+from template.engine.commands.cli import CLI, PROGRAM, build_cli, quiet_libraries
 from template.engine.commands.export import ArgumentParser, FitConfig
 from template.engine.errors import ConfigError, disk_errors
 from template.engine.store import atomic_write, prove_writable
@@ -23,6 +26,8 @@ FINDERS: dict[str, dict[str, Any]] = {
     "lr": {"min_lr": 1e-8, "max_lr": 1.0, "num_training": 100},
     "batch_size": {"mode": "power", "init_val": 2, "max_trials": 25, "steps_per_trial": 3},
 }
+# Lightning's lines about the finders' own fits and checkpoints, which are no fit of the user's (nor "will continue").
+FINDER_LINES = ("`Trainer.fit` stopped", "`weights_only` was not", "Restoring states", "Restored all", "Finished batch")
 
 
 class _OneDevice(FitConfig):
@@ -55,7 +60,7 @@ def main(argv: list[str]) -> None:
     if finder == "lr" and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("tune lr draws its plot with matplotlib; install the extra: pip install -e '.[sweep]'")
     settings = {name: getattr(options, name) for name in FINDERS[finder]}
-    with tempfile.TemporaryDirectory(prefix="tune-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="tune-") as scratch, quiet_libraries(*FINDER_LINES):
         off = ["--trainer.logger=false", "--trackers=null", f"--trainer.default_root_dir={scratch}"]
         cli = build_cli([*fit_args, *off], False, _OneDevice)
         preflight.check_trainer_counts(cli.config)
@@ -63,12 +68,21 @@ def main(argv: list[str]) -> None:
         key = _lr_option(cli.config) if finder == "lr" else _batch_size_option(cli)
         prove_writable(options.output.parent, "--tune.output")  # after every refusal, before the finder
         if finder == "lr":
-            found = Tuner(cli.trainer).lr_find(cli.model, datamodule=cli.datamodule, update_attr=False, **settings)
+            bar = getattr(cli.trainer.progress_bar_callback, "is_enabled", False)  # off, or not a terminal
+            with contextlib.nullcontext() if bar else internals.lr_finder_without_bar():
+                found = Tuner(cli.trainer).lr_find(cli.model, datamodule=cli.datamodule, update_attr=False, **settings)
             value = _plot(found, options.output.with_suffix(".png"))
             line = f"Suggested learning rate: {value:.3g} ({key}), marked on {options.output.with_suffix('.png')}"
         else:
             value = Tuner(cli.trainer).scale_batch_size(cli.model, datamodule=cli.datamodule, **settings)
-            line = f"Batch size {value} per process ({key}): the largest that ran in {options.max_trials} trials"
+            with contextlib.suppress(TypeError):  # an iterable dataset has no length
+                if value >= (samples := len((cli.datamodule or cli.model).train_dataloader().dataset)):
+                    raise ConfigError(
+                        f"tune batch_size: every batch size tried ran, up to {value}, which takes all {samples} "
+                        f"training samples: memory does not bound the batch here; choose {key} by speed or accuracy "
+                        "(a sweep), or cap the search with --tune.max_trials"
+                    )
+            line = f"Batch size {value} per process ({key}): the largest that ran"
     for part in reversed(key.split(".")):
         value = {part: value}
     text = f"# {PROGRAM} tune {finder}: {line}\n{yaml.safe_dump(value)}"
@@ -98,7 +112,9 @@ def _batch_size_option(cli: CLI) -> str:
 
 
 def _plot(found: Any, path: Path) -> float:
-    """The suggested learning rate, after writing the loss against the learning rate with it marked to ``path``."""
+    """The suggested learning rate, after writing the loss against the learning rate with it marked to ``path``; a
+    ConfigError where the curve does not support it: its lowest loss after the rate is not 1% below its highest up to
+    it (a flat or rising curve has no steepest descent to suggest)."""
     lr = found.suggestion() if found is not None else None
     if lr is None:
         raise ConfigError("the learning-rate finder made no suggestion from so few steps; raise --tune.num_training")
@@ -106,4 +122,13 @@ def _plot(found: Any, path: Path) -> float:
     figure.axes[0].set_title(f"suggested learning rate {lr:.3g} (red)")
     with disk_errors(path, kept="nothing was written there", option="--tune.output"):
         atomic_write(path, lambda f: figure.savefig(f, format="png"))
+    at = found.results["lr"].index(lr)
+    finite = [(i, loss) for i, loss in enumerate(found.results["loss"]) if math.isfinite(loss)]
+    highest, lowest = max(x for i, x in finite if i <= at), min(x for i, x in finite if i >= at)
+    if highest - lowest < abs(highest) / 100:
+        raise ConfigError(
+            f"tune lr: the loss does not fall at the learning rate the finder suggests ({lr:.3g}: at most "
+            f"{highest:.4g} up to it, at best {lowest:.4g} after; see {path}); widen --tune.min_lr/--tune.max_lr or "
+            "raise --tune.num_training"
+        )
     return lr

@@ -3,6 +3,7 @@ check that the monitored metrics are logged, the throughput figures."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,8 @@ class Throttle:
 
 class TimedProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar, redrawn every ``refresh_rate`` training steps but at most every ``min_interval`` seconds
-    (a redraw can cost a small model's step), and at an epoch's last step; the clock is read only to redraw."""
+    (a redraw can cost a small model's step), and at an epoch's last step; the clock is read only to redraw. Off where
+    the output is not a terminal: a log file (a sweep trial's, a cluster job's) gets no carriage-return redraws."""
 
     announcement = Mechanism(
         "progress bar",
@@ -79,6 +81,9 @@ class TimedProgressBar(TQDMProgressBar):
     def __init__(self, refresh_rate: int = 10, min_interval: float = 0.25) -> None:
         super().__init__(refresh_rate=refresh_rate)
         self._redraw = Throttle(min_interval)
+        if not sys.stdout.isatty():
+            self.disable()
+            self.announcement = None
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -24,10 +24,10 @@ from typing_extensions import override
 
 from template.engine import internals
 from template.engine.errors import DiskError, disk_errors
+from template.engine.logs import METRICS, read_metrics
 from template.engine.logs.console import Mechanism, Throttle
 from template.engine.store import atomic_write, undone_on_failure
 
-METRICS = "metrics.csv"
 TRACKERS = "trackers.json"
 _ID_ARGUMENT = {MLFlowLogger: "run_id", WandbLogger: "id"}  # the constructor argument naming the run to continue
 KEPT = "the logs up to the last save are kept"
@@ -187,36 +187,16 @@ def _kept_rows(path: Path) -> list[dict[str, str]]:
     a CSVLogger's is renamed to the first free ``metrics.damaged-<n>.csv`` beside it: the logs start afresh."""
     if not path.is_file():
         return []
-    try:
-        return _rows(path)
-    except ValueError as err:
-        n = 1
-        while (aside := path.with_name(f"{path.stem}.damaged-{n}{path.suffix}")).exists():
-            n += 1
-        with disk_errors(path, kept="nothing was changed"):
-            os.rename(path, aside)
-        rank_zero_info(f"{path} is damaged ({err}): kept aside as {aside.name}; this run's logs start afresh")
-        return []
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    """ValueError when not text, no ``step`` column, a row cut by a crash, or a step that is not a number."""
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise ValueError(f"not a CSV file ({err})") from None
-    if rows and "step" not in (header := reader.fieldnames or []):
-        raise ValueError(f"no 'step' column in its header {header[:5]}")
-    for number, row in enumerate(rows, start=2):
-        if None in row or None in row.values():
-            raise ValueError(f"line {number} has {'more' if None in row else 'fewer'} cells than the header")
-        try:
-            float(row["step"])
-        except ValueError:
-            raise ValueError(f"line {number} has step {row['step']!r}, not a number") from None
-    return [{k: v for k, v in row.items() if v} for row in rows]
+    rows, damage = read_metrics(path)
+    if damage is None:
+        return rows
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.damaged-{n}{path.suffix}")).exists():
+        n += 1
+    with disk_errors(path, kept="nothing was changed"):
+        os.rename(path, aside)
+    rank_zero_info(f"{path} is damaged ({damage}): kept aside as {aside.name}; this run's logs start afresh")
+    return []
 
 
 def run_loggers(
@@ -297,6 +277,9 @@ class TrackerRuns(Callback):
         "remove trackers",
     )
 
+    def __init__(self, configs: Callable[[Path], list[Path]]) -> None:
+        self.configs = configs  # a run folder's configs, oldest first (``runs.configs``)
+
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         log_dir = trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
@@ -305,14 +288,13 @@ class TrackerRuns(Callback):
             return
         folder = Path(log_dir)
         saved = _saved(folder)
-        configs = [folder / "config.yaml", *sorted(folder.glob("config.restart-*.yaml"))]
         for key, tracker in zip(keys, trainer.loggers, strict=True):
             if key is None:
                 continue
             entry = saved.setdefault(key, {})
             entry["id"] = tracker.version if isinstance(tracker, WandbLogger) else tracker.run_id
             logged = set(entry.get("configs", []))
-            for path in (p for p in configs if p.is_file() and p.name not in logged):
+            for path in (p for p in self.configs(folder) if p.name not in logged):
                 if isinstance(tracker, MLFlowLogger):
                     tracker.experiment.log_artifact(tracker.run_id, str(path))
                 else:

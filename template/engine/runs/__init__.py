@@ -14,7 +14,6 @@ from typing import Any
 LOGS = "lightning_logs"  # under trainer.default_root_dir: one folder per run
 CONFIG = "config.yaml"  # the config of the run's first start; a differing restart's is config.restart-<n>.yaml
 PROVENANCE = "provenance.json"  # one entry per start: how the run was made and how that start ended
-METRICS = "metrics.csv"  # the CSV logger's
 CHECKPOINTS = "checkpoints"  # the run's checkpoints, unless checkpoint.dirpath puts them elsewhere
 LAST = "last.ckpt"  # written at every validation (the checkpoint section's ModelCheckpoint)
 INTERRUPTED = "interrupted.ckpt"  # written when a signal stops the run (jobs/preemption.py)
@@ -46,6 +45,14 @@ def config_of(checkpoint: str | os.PathLike) -> Path | str:
     if "://" in str(checkpoint):
         return f"{str(checkpoint).rsplit('/', 2)[0]}/{CONFIG}"
     return Path(checkpoint).resolve().parent.parent / CONFIG
+
+
+def evaluations(root: str | os.PathLike | None, checkpoint: str | None) -> Path:
+    """Where validate, test and predict of ``checkpoint`` log: in the folder of its run (where it is writable), else
+    in ``<root>/lightning_logs``."""
+    config = config_of(checkpoint) if checkpoint and Path(checkpoint).exists() else None
+    ours = isinstance(config, Path) and config.is_file() and os.access(config.parent, os.W_OK)
+    return config.parent if ours else Path(root or ".") / LOGS
 
 
 def is_sharded(path: str | os.PathLike) -> bool:

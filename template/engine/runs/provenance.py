@@ -154,7 +154,7 @@ class Provenance(Callback):
             "hosts": sorted({p["host"] for p in processes}),
             "devices": [device for p in processes for device in p["devices"]],
         }
-        self._write(settled([*entries, self._entry]))  # an earlier start that wrote no end was killed
+        write_starts(log_dir, settled([*entries, self._entry]))  # an earlier start that wrote no end was killed
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -170,12 +170,15 @@ class Provenance(Callback):
         self._entry.update(end=_now(), seconds=round(time.monotonic() - self._started, 3), **exit_status(exception))
         self._entry.update(epochs=trainer.current_epoch, steps=trainer.global_step)
         try:
-            self._write([*read_starts(self._path.parent, writing=True)[:-1], self._entry])
+            write_starts(self._path.parent, [*read_starts(self._path.parent, writing=True)[:-1], self._entry])
         except OSError:
             if exception is None:
                 raise
             # The run failed already (often on this disk): its own error is what the user sees, not this one.
 
-    def _write(self, entries: list[dict[str, Any]]) -> None:
-        text = json.dumps({"starts": entries}, indent=1)
-        atomic_write(self._path, lambda f: f.write(text.encode()))
+
+def write_starts(folder: str | os.PathLike, starts: list[dict[str, Any]]) -> None:
+    """Rewrite ``folder``'s ``provenance.json`` with ``starts``, atomically (the sweep driver records a pruned trial's
+    last start as ``pruned``)."""
+    text = json.dumps({"starts": starts}, indent=1)
+    atomic_write(Path(folder) / PROVENANCE, lambda f: f.write(text.encode()))

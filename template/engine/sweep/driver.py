@@ -29,6 +29,8 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 from template.engine.errors import ConfigError
 from template.engine.jobs.processes import die_with_parent, requeue_slurm_job
+from template.engine.runs import read_starts
+from template.engine.runs.provenance import write_starts
 from template.engine.store import Lock, atomic_write, try_lock
 from template.engine.strategies.devices import gpu_count
 from template.engine.sweep.folds import FOLD
@@ -229,6 +231,10 @@ class Driver:
                     return  # still running in the study, this worker's: _start_next runs its next fold
         if ending == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
+            # Its record says so, not "interrupted" by the SIGTERM that stopped it.
+            starts = read_starts(self.folder / running.folder)
+            if starts and starts[-1].get("status") == "interrupted":
+                write_starts(self.folder / running.folder, [*starts[:-1], {**starts[-1], "status": "pruned"}])
         elif value is not None:
             self.study.tell(trial, value)
         else:

@@ -31,7 +31,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from template.engine.commands import preflight as config_files
 from template.engine.errors import ConfigError, config_error_in
-from template.engine.runs import METRICS, run_dir
+from template.engine.logs import METRICS, read_metrics
+from template.engine.runs import run_dir
 from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.runs.table import format_table
 from template.engine.store import atomic_write
@@ -331,8 +332,7 @@ def _folds(trials: list[FrozenTrial], folder: Path, objective: str) -> tuple[lis
 
 def _best_row(run: Path, objective: str, best: float) -> dict[str, float]:
     """The metrics a fold logged at the validation where its objective was best (its ``metrics.csv`` row)."""
-    with (run / METRICS).open(newline="") as f:
-        rows = [row for row in csv.DictReader(f) if row.get(objective)]
+    rows = [row for row in read_metrics(run / METRICS)[0] if row.get(objective)]
     row = min(rows, key=lambda r: abs(float(r[objective]) - best), default={})
     values = {key: float(value) for key, value in row.items() if value and key not in ("epoch", "step")}
     return {**values, objective: best}  # the objective as the study scored it, the others from the same validation
