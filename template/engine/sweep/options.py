@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
-from jsonargparse import ArgumentError, ArgumentParser
+from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveFloat, PositiveInt, restricted_number_type
 from lightning.pytorch.cli import LightningArgumentParser
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from typing_extensions import override
 
 from template.engine.commands.cli import CLI, PROGRAM, build_cli
-from template.engine.errors import ConfigError, explain_parser_error
+from template.engine.errors import ConfigError
 
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
 Folds = restricted_number_type("Folds", int, (">=", 2))
@@ -131,10 +131,7 @@ class Configs:
     def __init__(self, argv: list[str], sections: dict[str, type]) -> None:
         self.argv, self.sections = list(argv), sections
         self.fixed: dict[str, Any] = {}  # values every trial gets (``data.num_folds`` in a cross-validation)
-        try:
-            self.cli = build_cli(self.argv, run=False, cli_class=functools.partial(_Parse, sections))
-        except (ArgumentError, ValueError, TypeError) as err:
-            raise ConfigError(explain_parser_error(str(err))) from None
+        self.cli = build_cli(self.argv, run=False, cli_class=functools.partial(_Parse, sections))  # refusals: 1 line
         self.options = {name: options(**self.cli.config[name].as_dict()) for name, options in sections.items()}
 
     def complete(self, values: dict[str, Any], what: str = "") -> dict[str, Any]:
@@ -142,8 +139,8 @@ class Configs:
         args = [*self.argv, *(f"--{key}={json.dumps(value)}" for key, value in {**self.fixed, **values}.items())]
         try:
             self.cli.parse_arguments(self.cli.parser, args)
-        except (ArgumentError, ValueError, TypeError) as err:
-            raise ConfigError(f"{what}{explain_parser_error(str(err))}") from None
+        except ConfigError as err:  # the parser's refusals too
+            raise ConfigError(f"{what}{err}") from None
         config = yaml.safe_load(self.cli.parser.dump(self.cli.config, skip_none=False))
         return {key: value for key, value in config.items() if key not in self.sections}
 
