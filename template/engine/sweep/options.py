@@ -37,8 +37,9 @@ class Sweep:
         gpu_memory_fraction: the share of its GPUs' memory one trial may allocate, so it cannot starve the others.
         storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``) or the
             path of a journal file on a shared disk.
-        objective: the metric a trial scores (its best value); default ``checkpoint.monitor``.
-        direction: minimize or maximize the objective; default from ``checkpoint.mode``.
+        objective: the metric a trial scores (its best value); default ``checkpoint.monitor``, which it leaves as it is.
+        direction: minimize or maximize the objective; default from ``checkpoint.mode`` where the objective is the
+            monitor's.
         sampler: Optuna's TPE or random sampler.
         seed: the proposals are a function of the seed and the trial number; null for fresh ones each start.
         pruner: Optuna's median or hyperband pruner on the value at each validation, or none.
@@ -74,6 +75,7 @@ class CrossValidation:
         workers: folds at once in this process.
         storage: as ``sweep.storage``: null for a journal file in the folder, a database URL or a journal path.
         objective: the metric each fold scores (its best value); default ``checkpoint.monitor``.
+        direction: as ``sweep.direction``: which of the fold's values is its best.
         stratify: refuse a DataModule that gives the split no labels (folds are stratified whenever it gives them).
     """
 
@@ -82,6 +84,7 @@ class CrossValidation:
     workers: PositiveInt = 1
     storage: str | None = None
     objective: str | None = None
+    direction: Literal["minimize", "maximize"] | None = None
     stratify: bool = False
 
 
