@@ -16,7 +16,7 @@
 # after `--`) goes to `python -m template`, for example on node 1 of 2, with node 0 at 10.0.0.1:
 #
 #   scripts/torchrun.sh --nnodes 2 --nproc_per_node 4 --node_rank 1 --master_addr 10.0.0.1 \
-#       fit --config configs/multinode.yaml
+#       fit --config configs/default.yaml --config configs/multinode.yaml
 #
 # PYTHON picks the interpreter (default: python).
 set -euo pipefail

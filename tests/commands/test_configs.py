@@ -41,13 +41,14 @@ def _is_sweep(name: str) -> bool:
     return isinstance(loaded, dict) and "sweep" in loaded
 
 
-# name -> (extra arguments, several processes?, reason to skip or None). Presets and trackers stack on default.yaml.
+# name -> (extra arguments, several processes?, reason to skip or None). Presets and trackers stack on default.yaml,
+# as the parallelism and precision files do (the GPU-only ones alone here, so that ON_CPU comes after them).
 CASES: dict[str, tuple[tuple[str, ...], bool, str | None]] = {
     "default.yaml": ((), False, None),
-    "bf16.yaml": ((), False, None),  # bf16-mixed runs on the CPU too
-    "ddp_cpu.yaml": ((), True, None),
+    "bf16.yaml": (("--config", str(DEFAULT)), False, None),  # bf16-mixed runs on the CPU too
+    "ddp_cpu.yaml": (("--config", str(DEFAULT)), True, None),
     "ddp.yaml": (() if GPUS >= 2 else ON_CPU, True, None),
-    "fsdp_cpu.yaml": ((), True, None),
+    "fsdp_cpu.yaml": (("--config", str(DEFAULT)), True, None),
     "fsdp.yaml": (() if GPUS >= 2 else ON_CPU, True, None),  # FSDP2 and bf16-mixed run on CPU processes too
     "dp.yaml": ((), False, None),  # GPU only: marked gpu(2), the file lists devices [0, 1]
     # Its 2 nodes x 4 GPUs become 1 node x 2 CPU processes: the strategy, global batch and LR scaling still apply.
@@ -152,3 +153,15 @@ def test_config_runs_a_few_steps(name: str, run_cli, tmp_path: Path) -> None:
     if name == "presets/profile.yaml":
         report = (run / "fit-profile.txt").read_text()
         assert "run_training_batch" in report  # the profiler's report, in the run folder
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in _all_configs() if n != "default.yaml" and not n.startswith("presets/") and not _is_sweep(n)]
+)
+def test_a_file_stacked_after_the_users_changes_only_its_concern(name: str, run_main, tmp_path: Path) -> None:
+    # Parallelism, precision, trackers: the user's training length and logging stay theirs (later files win).
+    (tmp_path / "mine.yaml").write_text("trainer:\n  max_epochs: 7\n  log_every_n_steps: 3\n")
+    printed = run_main("fit", "--config", "mine.yaml", "--config", CONFIGS / name, "--print_config")
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    trainer = yaml.safe_load(printed.stdout)["trainer"]
+    assert (trainer["max_epochs"], trainer["log_every_n_steps"]) == (7, 3)

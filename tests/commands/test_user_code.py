@@ -1,6 +1,9 @@
 """A user's own net and DataModule from a module outside the package, by YAML alone."""
 
 import csv
+import inspect
+import json
+import pydoc
 from pathlib import Path
 
 import pytest
@@ -285,3 +288,112 @@ def test_predict_on_new_rows_from_the_datamodules_path_option(tmp_path, monkeypa
     # The predict run's logs went beside the run of its checkpoint.
     assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["blobs"]
     assert (tmp_path / "lightning_logs/blobs/predict/version_0/config.yaml").is_file()
+
+
+# A user's tabular classes (tests/user_code/tabular.py): every argument name of the example's, none of its defaults.
+TABULAR = {
+    "trainer": {"accelerator": "cpu", "max_epochs": 1, "enable_progress_bar": False, "log_every_n_steps": 1},
+    "model": {"class_path": "tabular.TabularClassifier", "init_args": {"net": {"class_path": "tabular.TabularNet"}}},
+    "data": {"class_path": "tabular.TabularData"},
+    "checkpoint": {"monitor": "val_acc", "mode": "max"},
+}
+
+
+def _defaults(path: str, *linked: str) -> dict:
+    """The defaults of the class's own signature, as a config file holds them (``linked``: set by the data)."""
+    parameters = inspect.signature(pydoc.locate(path)).parameters.items()
+    found = {name: p.default for name, p in parameters if p.default is not p.empty and name not in linked}
+    return json.loads(json.dumps(found))  # tuples as YAML lists
+
+
+def _assert_users_defaults(model: dict, data: dict) -> None:
+    assert data == {"class_path": "tabular.TabularData", "init_args": _defaults("tabular.TabularData")}
+    net = model["init_args"]["net"]
+    assert net["init_args"] == _defaults("tabular.TabularNet", "input_shape", "num_classes"), net
+    # The module's own optimizer and scheduler (the example's are Adam and none).
+    assert model["init_args"]["optimizer"]["class_path"] == "torch.optim.SGD"
+    assert model["init_args"]["scheduler"]["class_path"] == "torch.optim.lr_scheduler.ConstantLR"
+
+
+def test_every_command_reads_the_users_classes_with_their_own_defaults(tmp_path, monkeypatch, run_main) -> None:  # noqa: ANN001
+    from template.engine.commands import export, tune
+    from template.engine.commands.cli import build_cli
+    from template.engine.sweep.options import CV, SWEEP, Configs
+
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump(TABULAR))
+    printed = run_main("fit", "--config", "user.yaml", "--print_config")  # what fit saves as config.yaml
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    fit = yaml.safe_load(printed.stdout)
+    _assert_users_defaults(fit["model"], fit["data"])
+    # A sweep's trial and a cv's fold are fit's config with their values set, nothing of the example's.
+    trial = Configs(["--config", "user.yaml", "--sweep.name=s", "--sweep.space={}"], SWEEP).complete({})
+    assert (trial["model"], trial["data"]) == (fit["model"], fit["data"])
+    fold = Configs(["--config", "user.yaml"], CV).complete({"data.fold": 1, "data.num_folds": 3})
+    fold["data"]["init_args"].update(fold=None, num_folds=3)
+    assert (fold["model"], fold["data"]) == (fit["model"], fit["data"])
+    # The module and data that tune finds a batch size (the split it sizes) and a learning rate with, export builds.
+    for command in (tune._OneDevice, export.FitConfig):
+        cli = build_cli(["--config", "user.yaml", "--trainer.logger=false"], False, command)
+        model, data = cli.model.hparams, cli.datamodule.hparams
+        assert {key: value for key, value in data.items() if not key.startswith("_")} == fit["data"]["init_args"]
+        for key in ("optimizer", "scheduler"):
+            assert model[key] == fit["model"]["init_args"][key], command
+        net = {**fit["model"]["init_args"]["net"]["init_args"], "input_shape": [6], "num_classes": 2}  # linked
+        assert model["net"]["init_args"] == net, command
+
+
+@pytest.mark.parametrize(
+    ("option", "key", "own"),
+    [
+        ("--model.net=tabular.TabularNet", "net", {"hidden_sizes": [12], "dropout": 0.0}),  # not MLP's
+        ("--model.optimizer=torch.optim.RMSprop", "optimizer", {"lr": 0.01}),  # not Adam's 0.001
+        ("--data=tabular.TabularData", None, None),
+    ],
+)
+def test_a_class_named_in_place_of_the_examples_gets_its_own_defaults(run_main, monkeypatch, option, key, own) -> None:  # noqa: ANN001
+    monkeypatch.syspath_prepend(str(USER_CODE))
+    printed = run_main("fit", option, "--print_config")
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    config = yaml.safe_load(printed.stdout)
+    if key is None:
+        assert config["data"]["init_args"] == _defaults("tabular.TabularData")
+    else:
+        values = config["model"]["init_args"][key]["init_args"]
+        assert {name: values[name] for name in own} == own, values
+
+
+@pytest.mark.slow  # a fit, a sweep's trial and a cv's two folds: four training processes
+def test_the_configs_a_sweep_and_a_cv_write_hold_the_users_classes_as_fit_saves_them(
+    run_cli, tmp_path, monkeypatch
+) -> None:  # noqa: ANN001
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    monkeypatch.syspath_prepend(str(USER_CODE))  # the classes' own signatures, read here
+    env = cli_env(PYTHONPATH=pythonpath(USER_CODE))
+    tiny = {**TABULAR["trainer"], "limit_train_batches": 3, "limit_val_batches": 2}
+    (tmp_path / "user.yaml").write_text(yaml.safe_dump({**TABULAR, "trainer": tiny}))
+    # The sweep's objective is not the kept checkpoint's monitor (val_acc), and leaves it as it is.
+    lr = "    model.optimizer.init_args.lr: {type: categorical, choices: [0.05]}\n"
+    (tmp_path / "s.yaml").write_text(
+        f"sweep:\n  name: s\n  n_trials: 1\n  objective: val_loss\n  direction: minimize\n  space:\n{lr}"
+    )
+    for command in (["fit"], ["sweep", "--config", "s.yaml"], ["cv", "--cv.folds=2", "--cv.name=c"]):
+        done = run_cli(command[0], "--config", "user.yaml", *command[1:], env=env, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logs = tmp_path / "lightning_logs"
+    saved = yaml.safe_load((logs / "version_0" / "config.yaml").read_text())
+    _assert_users_defaults(saved["model"], saved["data"])
+    for name in ("s/trial-0000.yaml", "s/best.yaml", "c/fold-0.yaml", "c/fold-1.yaml"):
+        written = yaml.safe_load((logs / name).read_text())
+        model, data = written["model"]["init_args"], written["data"]["init_args"]
+        if name.startswith("s/"):
+            assert model["optimizer"]["init_args"]["lr"] == 0.05, name  # the trial's value
+            model["optimizer"]["init_args"]["lr"] = saved["model"]["init_args"]["optimizer"]["init_args"]["lr"]
+            assert written["checkpoint"]["monitor"] == "val_acc", name
+        else:
+            assert (data["fold"], data["num_folds"]) == (int(name[-6]), 2), name
+            data.update(fold=None, num_folds=saved["data"]["init_args"]["num_folds"])
+        assert (written["model"], written["data"]) == (saved["model"], saved["data"]), name
+    trial = logs / "s" / "trial-0000"
+    assert [p.name for p in (trial / "checkpoints").glob("best-*")] != []  # kept by val_acc, as in fit
+    assert "val_loss" in (logs / "s" / "trials.csv").read_text().splitlines()[0]  # scored by the objective

@@ -60,6 +60,20 @@ CASES = {
         ["torch.nn.Linear", "in_features", "model.net.init_args"],
     ),
     "unknown-data-class-path": (["--data=mypkg.data.Nope"], ["mypkg.data.Nope", "PYTHONPATH"]),
+    # An option the chosen class does not take: from a stacked file (the file named), or from the command line.
+    "preset-key-the-class-does-not-take": (
+        ["--data=tests.user_code.my_code.Waves", "--config", str(CONFIGS / "presets" / "debug.yaml")],
+        [
+            "data.init_args.num_workers (set in config file",
+            "presets/debug.yaml') is not an argument of",
+            "Waves",
+            "drop it from that file, or add the argument to the class",
+        ],
+    ),  # fmt: skip
+    "misspelt-init-arg": (
+        ["--model.net.init_args.dropuot=0.2"],
+        ["model.init_args.net.init_args.dropuot is not an argument of 'template.nets.MLP'", "check its spelling"],
+    ),
     "wrong-value-type": (["--trainer.max_epochs=abc"], ["'abc'", "trainer.max_epochs", "expected int"]),
     "wrong-init-arg-type": (["--data.init_args.batch_size=x"], ["'x'", "data.init_args.batch_size", "expected int"]),
     "invalid-precision": (["--trainer.precision=17"], ["'17'", "precision", "32-true"]),

@@ -21,7 +21,7 @@ COUNTER = """trainer:
 # The options of tests/bare_trainer_counts.py: 2 epochs of 15 steps, a validation and a checkpoint at each epoch's end.
 OPTIONS = [
     "--trainer.max_epochs=2", "--trainer.limit_train_batches=15", "--trainer.limit_val_batches=2",
-    "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+    "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=5",
 ]  # fmt: skip
 
 

@@ -14,7 +14,8 @@ OUR_LINES = ("Best checkpoint:", "Prepared the digits data set")
 
 
 def test_ddp_cpu_config_trains_two_processes(run_cli, tmp_path):
-    result = run_cli("fit", "--config", CONFIGS / "ddp_cpu.yaml", timeout=300)
+    # The example's config (15 epochs) with the parallelism preset stacked after it.
+    result = run_cli("fit", "--config", CONFIGS / "default.yaml", "--config", CONFIGS / "ddp_cpu.yaml", timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "Starting with 2 processes" in output and "distributed_backend=gloo" in output

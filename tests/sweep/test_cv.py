@@ -132,6 +132,11 @@ REFUSED = {
         ["--cv.folds=3", "--cv.stratify=true", "--data=tests.sweep.test_cv.Unlabelled"],
         "cv.stratify=true, but tests.sweep.test_cv.Unlabelled gives fold_indices no labels",
     ),
+    "an objective without its direction": (
+        ["--cv.folds=3", "--cv.objective=val_loss"],
+        "cv.objective=val_loss is not checkpoint.monitor, whose mode says nothing of it; "
+        "set cv.direction to minimize or maximize",
+    ),
     "no protocol": (
         ["--cv.folds=3", "--data=tests.sweep.test_cv.NoProtocol"],
         "tests.sweep.test_cv.NoProtocol cannot be cross-validated: its __init__ needs the arguments (fold: int | None",

@@ -106,6 +106,12 @@ BAD = {
         "sweep.space['data.batch_size']: The `choices` must contain one or more elements",
     ),
     "n_trials < 1": ("n_trials: 0", "invalid value '0' for 'sweep.n_trials'; expected a value > 0"),
+    # checkpoint.mode is val_acc's (max): the objective's direction is not its to say, nor is it moved to it.
+    "objective without its direction": (
+        "objective: val_loss",
+        "sweep.objective=val_loss is not checkpoint.monitor, whose mode says nothing of it; "
+        "set sweep.direction to minimize or maximize",
+    ),
     "bad storage": ("storage: postgresql://u:secret@127.0.0.1:{port}/none", "cannot be reached"),
 }
 
@@ -125,7 +131,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case: str, run_main, tmp_path:
 @pytest.mark.slow
 @pytest.mark.timeout(WAIT)
 def test_objective_the_module_never_logs_is_named(run_cli, tmp_path: Path) -> None:
-    args = _sweep_args(tmp_path, n_trials=1, extra="  objective: val_f1\n")
+    args = _sweep_args(tmp_path, n_trials=1, extra="  objective: val_f1\n  direction: maximize\n")
     done = run_cli(*args, timeout=WAIT)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]

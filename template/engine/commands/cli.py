@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 from fsspec.utils import get_protocol
-from jsonargparse import Namespace
+from jsonargparse import ArgumentError, Namespace
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
@@ -174,6 +174,7 @@ class CLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         self.sections = parser.groups  # trainer, model, data: `trainer:` in a config file must be a mapping
+        self.parsers = [*getattr(self, "parsers", []), parser]  # one per subcommand built (or the only one)
         for option, callback in CALLBACK_SECTIONS.items():
             parser.add_lightning_class_args(callback, option)
         devices.add_gpu_arguments(parser)
@@ -204,19 +205,23 @@ class CLI(LightningCLI):
         files = {value: preflight.read(value) for value in preflight.split(argv)[0]}  # a broken file, by its name
         print_config = internals.print_config_action()
         with print_config.skip_print_config():  # printed below, once the config is what the run will use
-            # jsonargparse hands a newly chosen class the example's values for the arguments they share; as the
-            # parser's default it gets its own. Where the parse chose other classes than guessed, it runs again.
-            named = _named_classes(argv, files) if (subcommand := self._only_subcommand) else {}
-            if named:
-                parser.set_defaults(_as_defaults(subcommand, named))
-            self._parse(parser, args)
-            chosen = _classes({key: _of_subcommand(self.config).get(f"{key}.class_path") for key in EXAMPLE})
-            if (subcommand := self.config.get("subcommand")) and chosen != named:
-                parser.set_defaults(_as_defaults(subcommand, chosen))
-                self._parse(parser, args)
+            # jsonargparse hands a class chosen in place of another (the example's, a signature's default) that one's
+            # values for the arguments they share. The classes chosen become the parser's defaults (parsed again
+            # where one replaced another): each gets its own signature's defaults, at every depth, for every command.
+            defaults, parse = _named_classes(argv, files), True  # the files' and options' model and data: a guess
+            while parse is not None:
+                for each in self.parsers:
+                    each.set_defaults(defaults)
+                try:
+                    if parse:
+                        self._parse(parser, args)
+                except ArgumentError as err:  # named with the config file that set an option, where one did
+                    raise errors.parser_error(err, files=files) from None
+                expanded = self.parsers[-1].get_defaults(skip_validation=True)
+                defaults, parse = _own_defaults(_of_subcommand(self.config), expanded)
         config = _of_subcommand(self.config)
         preflight.check_sections(files, self.sections, config)
-        self.fit_run = settle(config, subcommand, self.folders)
+        self.fit_run = settle(config, self.config.get("subcommand"), self.folders)
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -380,31 +385,36 @@ def _of_subcommand(config: Any) -> Any:
     return config[config["subcommand"]] if config.get("subcommand") else config
 
 
-def _classes(paths: dict[str, Any]) -> dict[str, str]:
-    """The importable model and data classes among ``paths`` (``model``/``data`` -> class path) but the example's."""
-    return {
-        key: path
-        for key, path in paths.items()
-        if isinstance(path, str) and path != EXAMPLE[key] and inspect.isclass(blame.located(path))
-    }
-
-
-def _as_defaults(subcommand: str, classes: dict[str, str]) -> dict[str, Any]:
-    return {f"{subcommand}.{k}": {"class_path": classes[k]} if k in classes else EXAMPLE_DEFAULTS[k] for k in EXAMPLE}
-
-
-def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The model and data classes ``argv`` names in a config file (``files``) or by ``--model``/``--data``: a guess."""
+def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The model and data classes ``argv`` names in a config file (``files``) or by ``--model``/``--data``, else the
+    example's, as parser defaults."""
     named: dict[str, Any] = {}
     options = [f"--{key}{end}" for key in EXAMPLE for end in ("", ".class_path")]
     for option, value in preflight.split_options(argv, *preflight.CONFIG_OPTIONS, *options)[0]:
-        if option not in preflight.CONFIG_OPTIONS:
-            named[option[2:].split(".")[0]] = value
-            continue
-        for key, section in files[value].items():
-            if key in EXAMPLE and (section is None or isinstance(section, (str, dict))):  # null: the example's again
+        sections = files[value] if option in preflight.CONFIG_OPTIONS else {option[2:].split(".")[0]: value}
+        for key, section in sections.items():
+            if key in EXAMPLE:  # null (or a list, refused later): the example's again
                 named[key] = section.get("class_path", named.get(key)) if isinstance(section, dict) else section
-    return _classes(named)
+    chosen = {
+        k: p for k, p in named.items() if isinstance(p, str) and p != EXAMPLE[k] and inspect.isclass(blame.located(p))
+    }
+    return {key: {"class_path": chosen[key]} if key in chosen else EXAMPLE_DEFAULTS[key] for key in EXAMPLE}
+
+
+def _own_defaults(config: Namespace, expanded: Namespace) -> tuple[dict[str, Any], bool | None]:
+    """The class paths of the model and data in ``config`` at every depth, as parser defaults; none below a class that
+    ``expanded`` (the defaults it was parsed with) does not name there. With True where one replaced another class
+    (jsonargparse carried that one's values over: parse again), False where it stands in place of none, else None."""
+    chosen, before = (
+        {k: v for k, v in c.items() if k.endswith(".class_path") and k.split(".")[0] in EXAMPLE}
+        for c in (config, expanded)
+    )
+    changed = [key.removesuffix("class_path") for key, path in chosen.items() if before.get(key) != path]
+    defaults = Namespace()
+    for key, path in chosen.items():
+        if not any(key.startswith(above) and key != f"{above}class_path" for above in changed):
+            defaults[key] = path
+    return defaults.as_dict(), any(before.get(f"{above}class_path") for above in changed) if changed else None
 
 
 class _AppliedLinksOnly(internals.instantiator_class()):

@@ -47,13 +47,14 @@ def config_error_in(err: BaseException) -> ConfigError | None:
     return next((e for e in chain(err) if isinstance(e, ConfigError)), None)
 
 
-def parser_error(err: BaseException, prefix: str = "") -> ConfigError:
+def parser_error(err: BaseException, prefix: str = "", files: dict[str, Any] | None = None) -> ConfigError:
     """The one-line ConfigError for a parser's refusal, or for a ConfigError of the code it ran."""
-    return ConfigError(f"{prefix}{config_error_in(err) or explain_parser_error(str(err))}")
+    return ConfigError(f"{prefix}{config_error_in(err) or explain_parser_error(str(err), files)}")
 
 
-def explain_parser_error(message: str) -> str:
-    """jsonargparse's message as: what is wrong, with which value, and what to do."""
+def explain_parser_error(message: str, files: dict[str, Any] | None = None) -> str:
+    """jsonargparse's message as: what is wrong, with which value, and what to do; an option a class does not take
+    named by the first of the config files (``files``: path -> content) that sets it."""
     text = one_line(message)
     help_hint = "run with --help to list the valid options"
     if m := re.search(r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'", text):
@@ -74,10 +75,18 @@ def explain_parser_error(message: str) -> str:
     # A class nested in another (model.net) fails inside its parent's class_path: the innermost is meant.
     if problems := list(re.finditer(r"Problem with given class_path (\S+): ", text)):
         inner = problems[-1]
-        key = ".".join(re.findall(r'Parser key "([^"]+)":', text[: inner.start()]))
-        reason = text[inner.end() :].split(" - ")[0].strip()
+        keys = re.findall(r'Parser key "([^"]+)":', text[: inner.start()])
+        key, reason = ".".join(keys), text[inner.end() :].split(" - ")[0].strip()
         if m := re.search(r"the following arguments are required: (.*)", reason):
             return f"class_path {inner.group(1)} for '{key}' needs {m.group(1)}; set them under {key}.init_args"
+        if m := re.match(r"Option '([^']+)' is not accepted", reason):
+            option = ".init_args.".join([*keys, m.group(1)])
+            file = next((path for path, content in (files or {}).items() if _sets(content, option)), None)
+            where, there = (f" (set in config file '{file}')", " from that file") if file else ("", "")
+            return (
+                f"{option}{where} is not an argument of {inner.group(1)}; check its spelling, drop it{there}, or add "
+                "the argument to the class"
+            )
         return (
             f"class_path {inner.group(1)} for '{key}' cannot be used ({reason}); check its spelling "
             "and that its module is importable (on PYTHONPATH)"
@@ -99,6 +108,14 @@ def explain_parser_error(message: str) -> str:
     if "Unable to load config" in text or "does not exist" in text:
         return f"{text}; check the path given to --config"
     return text
+
+
+def _sets(content: Any, option: str) -> bool:
+    """Whether a config file's ``content`` sets the dotted ``option`` (where the file may leave out ``init_args``)."""
+    key, _, rest = option.partition(".")
+    if not isinstance(content, dict) or key not in content and key != "init_args":
+        return False
+    return not rest or _sets(content.get(key, content), rest)  # a left out init_args: the same mapping
 
 
 def _first_reason(details: str) -> str:

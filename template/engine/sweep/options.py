@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
-from jsonargparse import ArgumentError, ArgumentParser
+from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveFloat, PositiveInt, restricted_number_type
 from lightning.pytorch.cli import LightningArgumentParser
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from typing_extensions import override
 
 from template.engine.commands.cli import CLI, PROGRAM, build_cli
-from template.engine.errors import ConfigError, explain_parser_error
+from template.engine.errors import ConfigError
 
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
 Folds = restricted_number_type("Folds", int, (">=", 2))
@@ -37,8 +37,9 @@ class Sweep:
         gpu_memory_fraction: the share of its GPUs' memory one trial may allocate, so it cannot starve the others.
         storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``) or the
             path of a journal file on a shared disk.
-        objective: the metric a trial scores (its best value); default ``checkpoint.monitor``.
-        direction: minimize or maximize the objective; default from ``checkpoint.mode``.
+        objective: the metric a trial scores (its best value); default ``checkpoint.monitor``, which it leaves as it is.
+        direction: minimize or maximize the objective; default from ``checkpoint.mode`` where the objective is the
+            monitor's.
         sampler: Optuna's TPE or random sampler.
         seed: the proposals are a function of the seed and the trial number; null for fresh ones each start.
         pruner: Optuna's median or hyperband pruner on the value at each validation, or none.
@@ -74,6 +75,7 @@ class CrossValidation:
         workers: folds at once in this process.
         storage: as ``sweep.storage``: null for a journal file in the folder, a database URL or a journal path.
         objective: the metric each fold scores (its best value); default ``checkpoint.monitor``.
+        direction: as ``sweep.direction``: which of the fold's values is its best.
         stratify: refuse a DataModule that gives the split no labels (folds are stratified whenever it gives them).
     """
 
@@ -82,6 +84,7 @@ class CrossValidation:
     workers: PositiveInt = 1
     storage: str | None = None
     objective: str | None = None
+    direction: Literal["minimize", "maximize"] | None = None
     stratify: bool = False
 
 
@@ -131,10 +134,7 @@ class Configs:
     def __init__(self, argv: list[str], sections: dict[str, type]) -> None:
         self.argv, self.sections = list(argv), sections
         self.fixed: dict[str, Any] = {}  # values every trial gets (``data.num_folds`` in a cross-validation)
-        try:
-            self.cli = build_cli(self.argv, run=False, cli_class=functools.partial(_Parse, sections))
-        except (ArgumentError, ValueError, TypeError) as err:
-            raise ConfigError(explain_parser_error(str(err))) from None
+        self.cli = build_cli(self.argv, run=False, cli_class=functools.partial(_Parse, sections))  # refusals: 1 line
         self.options = {name: options(**self.cli.config[name].as_dict()) for name, options in sections.items()}
 
     def complete(self, values: dict[str, Any], what: str = "") -> dict[str, Any]:
@@ -142,8 +142,8 @@ class Configs:
         args = [*self.argv, *(f"--{key}={json.dumps(value)}" for key, value in {**self.fixed, **values}.items())]
         try:
             self.cli.parse_arguments(self.cli.parser, args)
-        except (ArgumentError, ValueError, TypeError) as err:
-            raise ConfigError(f"{what}{explain_parser_error(str(err))}") from None
+        except ConfigError as err:  # the parser's refusals too
+            raise ConfigError(f"{what}{err}") from None
         config = yaml.safe_load(self.cli.parser.dump(self.cli.config, skip_none=False))
         return {key: value for key, value in config.items() if key not in self.sections}
 

@@ -67,7 +67,7 @@ def run(argv: list[str], command: str) -> int:
     space = {FOLD: {"type": "categorical", "choices": folds}}
     # A failed fold would fail again: the cv stops, and the same command reruns it (the only fold no trial has).
     sweep = Sweep(name, space, cv.folds, cv.workers, storage=cv.storage, objective=cv.objective, pruner="none")
-    sweep.max_failures, sweep.enqueue = 1, [{FOLD: k} for k in folds]
+    sweep.max_failures, sweep.enqueue, sweep.direction = 1, [{FOLD: k} for k in folds], cv.direction
     return run_study(sweep, configs, cv=True)
 
 
@@ -125,11 +125,14 @@ def prepare(configs: Configs, k: int, stratify: bool) -> tuple[str, dict[str, An
 def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) -> int:
     """Check the study against the fit config, then run (or continue) it and write its results; the exit code."""
     space = search_space(sweep)
-    base = configs.complete({})
+    base, section = configs.complete({}), "cv" if cv else "sweep"
     checkpoint = base.get("checkpoint", {})
     sweep.objective = sweep.objective or checkpoint.get("monitor")
     if not sweep.objective:
-        raise ConfigError("the sweep has no objective; set sweep.objective or checkpoint.monitor to a logged metric")
+        raise ConfigError(f"the {section} has no objective; set {section}.objective to a metric the module logs")
+    if sweep.direction is None and sweep.objective != checkpoint.get("monitor"):  # checkpoint.mode is the monitor's
+        why = f"{section}.objective={sweep.objective} is not checkpoint.monitor, whose mode says nothing of it"
+        raise ConfigError(f"{why}; set {section}.direction to minimize or maximize")
     sweep.direction = sweep.direction or ("maximize" if checkpoint.get("mode", "min") == "max" else "minimize")
     for key, d in space.items():  # each choice, or the lowest value, taken by the fit parser
         for value in d.choices if isinstance(d, CategoricalDistribution) else [d.low]:
