@@ -37,7 +37,8 @@ def exact_resume_point(trainer: Trainer) -> bool:
 
 class RNGStateCheckpoint(Callback):
     """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank (tensors and plain values: loaded
-    weights-only) and restores them on resume; puts a map-style training DataLoader back at its place in an epoch."""
+    weights-only) and restores them on resume; puts a map-style training DataLoader back at its place in an epoch;
+    steps ``ReduceLROnPlateau`` schedulers where the uninterrupted run steps them (the values they monitor travel)."""
 
     announcement = Mechanism(
         "random states",
@@ -166,8 +167,8 @@ class RNGStateCheckpoint(Callback):
         samplers = None if restored is None else restored["samplers"]
         trainer.callback_metrics.update({} if restored is None else restored.get("monitors", {}))
         if trainer.fit_loop.resumed_on_epoch_end and pl_module.automatic_optimization:
-            # Written in the last epoch's on_train_epoch_end, before Lightning stepped plateau schedulers there: the
-            # resumed run starts after that epoch's end, so they step now, as Lightning would have.
+            # Written in an epoch's on_train_epoch_end, before Lightning stepped plateau schedulers there: the resumed
+            # run starts after that epoch's end, so they step now, as Lightning would have.
             for config in trainer.lr_scheduler_configs:
                 due = config.interval == "epoch" and trainer.current_epoch % config.frequency == 0
                 if config.reduce_on_plateau and due and config.monitor in trainer.callback_metrics:
