@@ -212,6 +212,43 @@ def test_accumulating_and_validation_follows_are_what_lightning_does_after_the_b
     assert [i for i, _, follows in seen if follows] == validated_after == [2, 5]
 
 
+def test_a_resumed_epoch_whose_restart_is_ended_steps_its_plateau_scheduler(tmp_path: Path) -> None:
+    """``fit_loop._restarting``: true for the whole epoch a fit resumes in the middle of, so Lightning does not step
+    ReduceLROnPlateau at its end; set false at the epoch's end, Lightning steps it (under ``max_steps`` too)."""
+    checkpoint = tmp_path / "mid-epoch.ckpt"
+    restarting: list[bool] = []
+
+    class Plateau(BoringModel):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            output = super().training_step(batch, batch_idx)
+            self.log("loss", output["loss"])
+            return output
+
+        def configure_optimizers(self):  # noqa: ANN201
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "loss"}}
+
+    class SaveMidEpoch(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx == 1:
+                trainer.save_checkpoint(checkpoint)
+
+    class EndRestart(Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            restarting.append(trainer.fit_loop.restarting)
+            internals.end_restart(trainer)
+
+    options = {"max_epochs": 1, "limit_train_batches": 4}
+    _trainer(**options, max_steps=-1, callbacks=[SaveMidEpoch()]).fit(Plateau())
+    steps = []
+    for max_steps, callbacks in ((-1, []), (-1, [EndRestart()]), (100, [EndRestart()])):
+        trainer = _trainer(**options, max_steps=max_steps, callbacks=callbacks)
+        trainer.fit(Plateau(), ckpt_path=checkpoint)
+        steps.append(trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+    assert restarting == [True, True] and steps == [0, 1, 1]
+
+
 def test_layer_sync_follows_sync_batchnorm() -> None:
     """``strategy._layer_sync``: strategy dp refuses sync_batchnorm instead of ignoring it."""
     assert internals.layer_sync_enabled(_trainer(strategy="ddp", sync_batchnorm=True).strategy)

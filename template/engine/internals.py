@@ -129,6 +129,13 @@ def validation_follows(trainer: Trainer) -> bool:
     return bool(should_check(fit_data_fetcher(trainer)))
 
 
+def end_restart(trainer: Trainer) -> None:
+    """Count the resumed epoch as run: at its end Lightning steps ``ReduceLROnPlateau`` only when the fit loop is not
+    restarting, which it stays for the whole resumed epoch (its public setter keeps it under ``max_steps``)."""
+    _require(trainer.fit_loop, "_restarting", "lightning", "exact resume (ReduceLROnPlateau)")
+    trainer.fit_loop._restarting = False
+
+
 def layer_sync_enabled(strategy: Strategy) -> bool:
     """Whether ``sync_batchnorm`` was asked for (the Trainer handed the strategy a ``_layer_sync``)."""
     return _require(strategy, "_layer_sync", "lightning", "strategy dp's sync_batchnorm check") is not None

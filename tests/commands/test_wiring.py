@@ -104,7 +104,7 @@ def test_monitor_check_waits_for_training_metrics_and_names_what_is_logged() -> 
 
     from template.engine.errors import ConfigError
 
-    after_sanity = SimpleNamespace(callback_metrics={"val_mse": 1.0}, sanity_checking=True)
+    after_sanity = SimpleNamespace(callback_metrics={"val_mse": 1.0}, sanity_checking=True, num_sanity_val_batches=[2])
     console.MonitorCheck({"checkpoint.monitor": "train_mse"}).on_sanity_check_end(
         after_sanity, None
     )  # not logged before training: wait
@@ -146,3 +146,31 @@ def test_tracker_runs_log_restart_configs_in_their_order(tmp_path) -> None:  # n
     trainer = SimpleNamespace(log_dir=str(tmp_path), loggers=[Recorded()], is_global_zero=True)
     TrackerRuns(configs).on_fit_start(trainer, None)
     assert [config["n"] for config in logged] == [0, 2, 10]
+
+
+def test_a_monitor_of_either_validation_loader_is_accepted_and_a_misspelt_one_refused_naming_both(tmp_path) -> None:  # noqa: ANN001
+    """With two validation loaders Lightning keeps no metric of the sanity check: the check waits for the first
+    validation."""
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    from template.engine.errors import ConfigError
+
+    class TwoValidationSets(BoringModel):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001, ANN201
+            self.log("val_loss", self.step(batch))
+
+        def val_dataloader(self) -> list[DataLoader]:
+            return [DataLoader(RandomDataset(32, 4)), DataLoader(RandomDataset(32, 4))]
+
+    def fit(monitor: str) -> None:
+        check = console.MonitorCheck({"checkpoint.monitor": monitor})
+        options = {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 2, "default_root_dir": tmp_path}
+        quiet = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+        _trainer(**options, **quiet, callbacks=[check]).fit(TwoValidationSets())
+        assert check.unchecked == {}
+
+    fit("val_loss/dataloader_idx_1")
+    logged = r"it logs: val_loss/dataloader_idx_0, val_loss/dataloader_idx_1\); .*monitor=val_loss/dataloader_idx_0"
+    with pytest.raises(ConfigError, match=r"checkpoint.monitor='val_los' is not logged by the module \(" + logged):
+        fit("val_los")

@@ -25,10 +25,12 @@ import pytest
 import torch
 
 from template.engine.resume import checkpoints
+from template.engine.runs.folder import newest
 from tests.conftest import CONFIGS, PACKAGE, REPO, ForkServer, cli_env, finish, made_once
 
 WAIT = 240  # seconds for one start of a run; a healthy single-process start takes 5-10 s here, DDP 15-25 s
 STEPS = 16
+VALIDATIONS = 4  # two an epoch
 BASE = [
     "--trainer.accelerator=cpu", "--trainer.deterministic=true", "--trainer.limit_train_batches=8",
     "--trainer.limit_val_batches=2", "--trainer.val_check_interval=0.5", "--trainer.max_epochs=2",
@@ -320,7 +322,7 @@ def _check_logged_once(work: Path, configuration: str, killed: bool = False) -> 
         assert sorted(set(logged) if killed else logged) == list(range(steps)), logged
         return
     assert logged == list(range(steps)), f"{path}: {logged}"
-    assert len([r for r in rows if r.get("val_acc")]) == 4, "one val_acc per validation, 4 validations"
+    assert len([r for r in rows if r.get("val_acc")]) == VALIDATIONS, f"one val_acc per validation, {VALIDATIONS}"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(path.parent)).Reload()
@@ -351,17 +353,21 @@ def _check_nothing_outside_the_run(work: Path, cell: Cell) -> None:
     assert os.listdir(work / "lightning_logs") == ["r"]
     checkpoints = work / "lightning_logs" / "r" / "checkpoints"
     assert not [p.name for p in checkpoints.iterdir() if not p.name.endswith(".ckpt")], "temporary files left"
+    # Stopped at the run's end, the continuation trains and writes nothing: the stop's checkpoint is then the newest.
+    interrupted = checkpoints / "interrupted.ckpt"
+    assert not interrupted.exists() or newest([checkpoints]) == str(interrupted), "the finished run keeps the stop's"
 
 
 def _run_cell(cell: Cell, work: Path, uninterrupted: Any, server: ForkServer) -> None:
     reference = uninterrupted(cell.configuration)
     ranks = ", ".join(map(str, cell.ranks))
     (work / "fault.yaml").write_text(
-        "trainer:\n  callbacks:\n    - class_path: fault.Fault\n      init_args: {"
+        "class_path: fault.Fault\ninit_args: {"
         f"moment: {cell.moment}, signal: {cell.signal}, epoch: {cell.epoch}, batch: {cell.batch}, nth: {cell.nth}, "
         f"ranks: [{ranks}]}}\n"
     )
-    command = [*_command(cell.configuration), "--config", "fault.yaml"]
+    # Appended: the callbacks a configuration lists (a user's own) stay.
+    command = [*_command(cell.configuration), "--trainer.callbacks+=fault.yaml"]
     env = _env(work, slurm=cell.slurm)
 
     first = _start(command, work, env, server)

@@ -6,12 +6,13 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from template.engine.resume.checkpoints import AtomicCheckpointIO
@@ -200,3 +201,59 @@ def test_last_ckpt_holds_the_last_step_when_the_score_stops_improving(tmp_path: 
     assert [p.name.split("-")[1] for p in folder.glob("best-*.ckpt")] == ["0"], "a later validation scored higher"
     last = torch.load(folder / "last.ckpt", weights_only=True)
     assert (last["global_step"], last["epoch"]) == (24, 2), "last.ckpt is not the run's end"
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __len__(self) -> int:  # Lightning warns only where it knows an epoch's length
+        return 16
+
+    def __iter__(self):  # noqa: ANN204
+        yield from TensorDataset(torch.arange(64.0).reshape(16, 4) / 64)
+
+
+class _TinyStream(_Tiny):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Stream(), batch_size=4)
+
+
+@pytest.mark.parametrize(("module", "warned"), [(_Tiny, False), (_TinyStream, True)], ids=["map-style", "iterable"])
+def test_lightnings_not_resumable_warning_is_left_out_only_where_the_resume_makes_it_false(
+    tmp_path: Path, module: type[_Tiny], warned: bool
+) -> None:
+    """Lightning warns at every mid-epoch resume of a plain DataLoader that it is "not resumable": false where the
+    project puts the loader back at its place (left out, for that fit only), true for an iterable dataset (kept)."""
+
+    class SaveMidEpoch(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: object) -> None:
+            if trainer.global_step == 2:
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    def fit(callbacks: list[Callback], ckpt_path: Path | None = None) -> None:
+        options = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+        trainer = Trainer(
+            max_epochs=1, callbacks=[RNGStateCheckpoint(), *callbacks], **options, default_root_dir=tmp_path
+        )
+        trainer.fit(module(), ckpt_path=ckpt_path)
+
+    fit([SaveMidEpoch()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        filters = list(warnings.filters)
+        fit([], ckpt_path=tmp_path / "mid.ckpt")
+        assert warnings.filters == filters, "a filter of this fit is left installed"
+    said = [str(w.message) for w in caught if "your dataloader is not resumable" in str(w.message)]
+    assert len(said) == warned, said
+
+
+@pytest.mark.slow  # a fit, then validate and predict on 2 DDP processes
+def test_evaluating_a_checkpoint_on_another_number_of_processes_says_nothing_of_a_resume(run_cli) -> None:  # noqa: ANN001
+    fit = run_cli(*FAST, "--trainer.max_epochs=1", "--run.name=one")
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    ddp = ["--config", str(CONFIGS / "ddp_cpu.yaml"), "--trainer.limit_predict_batches=2"]
+    for command in ("validate", "predict"):
+        done = run_cli(
+            command, *FAST[1:], *ddp, "--ckpt_path=lightning_logs/one/checkpoints/last.ckpt",
+            env=cli_env(PYTHONWARNINGS="default"), timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "random states of 1 processes" not in done.stdout + done.stderr, command

@@ -161,7 +161,8 @@ def _rng_callback(monkeypatch: pytest.MonkeyPatch, visible: int, devices: list[s
     parallel = [torch.device(d) for d in devices]
     strategy = SimpleNamespace(world_size=1, root_device=parallel[0], parallel_devices=parallel)
     callback = RNGStateCheckpoint()
-    callback.setup(SimpleNamespace(strategy=strategy, train_dataloader=None), None, "validate")
+    trainer = SimpleNamespace(strategy=strategy, train_dataloader=None, callback_metrics={}, lr_scheduler_configs=[])
+    callback.setup(trainer, None, "validate")
     return callback, fake
 
 

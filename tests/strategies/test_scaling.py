@@ -162,10 +162,12 @@ def test_lr_is_scaled_once_and_not_again_on_resume(tmp_path):
     assert saved["callbacks"]["BatchScaling"]["summary"] == scaling.summary
     assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(2 * BASE_LR / 2)
 
-    # Resumed twice, the schedule continues from 2x the base LR (halved each epoch), never 4x or 8x.
+    # Resumed twice, the schedule continues from 2x the base LR (halved each epoch), never 4x or 8x; the Run: line
+    # states the configured rate scaled, not the schedule's rate at the resume.
     for epochs in (2, 3):
         trainer, scaling = fit(epochs, ckpt=ckpt)
-        assert scaling.summary["lr"] == pytest.approx(2 * BASE_LR * 0.5 ** (epochs - 1))
+        assert scaling.summary["lr"] == pytest.approx(2 * BASE_LR)
+        assert f"lr {2 * BASE_LR:.6g} (linear scaling x2)" in format_summary(scaling.summary)
         assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(2 * BASE_LR * 0.5**epochs)
         ckpt = Path(trainer.checkpoint_callback.best_model_path)
 
@@ -173,6 +175,7 @@ def test_lr_is_scaled_once_and_not_again_on_resume(tmp_path):
     trainer, scaling = fit(4, rule="sqrt", ckpt=ckpt)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(math.sqrt(2) * BASE_LR * 0.5**4)
     assert scaling.summary["lr_factor"] == pytest.approx(math.sqrt(2))
+    assert scaling.summary["lr"] == pytest.approx(math.sqrt(2) * BASE_LR)
 
 
 def test_data_batch_size_and_global_batch_size_in_conflict_are_refused(tmp_path):

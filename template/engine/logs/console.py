@@ -95,15 +95,17 @@ class TimedProgressBar(TQDMProgressBar):
 
 class MonitorCheck(Callback):
     """Stops a run whose ``checkpoint.monitor`` (or a configured callback's ``monitor``, e.g. EarlyStopping's) the
-    module does not log, in one line naming the metrics it logs: a validation metric after the sanity check, a
-    training one (``train*``) after the first validation, where Lightning finds out later and with a traceback."""
+    module does not log, in one line naming the metrics it logs: a validation metric after the sanity check (after the
+    first validation with several validation loaders, whose sanity check Lightning keeps no metric of), a training one
+    (``train*``) after the first validation, where Lightning finds out later and with a traceback."""
 
     def __init__(self, monitors: dict[str, str]) -> None:
         self.unchecked = dict(monitors)  # option (as the user sets it) -> metric name
 
     @override
     def on_sanity_check_end(self, trainer: Trainer, pl_module: Any) -> None:
-        self._check(trainer, training=False)
+        if len(trainer.num_sanity_val_batches) == 1:
+            self._check(trainer, training=False)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,9 @@ from typing_extensions import override
 from template.engine.errors import ConfigError, disk_errors, one_line
 from template.engine.internals import SHARDED_METADATA, save_last_where_skipped
 from template.engine.logs.console import Mechanism
-from template.engine.runs import is_sharded
-from template.engine.runs.folder import checkpoint_dir
+from template.engine.resume.states import RNGStateCheckpoint
+from template.engine.runs import INTERRUPTED, is_sharded
+from template.engine.runs.folder import checkpoint_dir, newest
 from template.engine.runs.remote import RemoteRoot
 from template.engine.store import atomic_torch_save
 from template.engine.strategies.fsdp import is_fsdp
@@ -111,22 +111,21 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
 
 def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:
-    """Leave out Lightning's warning that the checkpoint folder "exists and is not empty" when the fit continues from
-    a checkpoint in it (the run's own); elsewhere a new run would overwrite another's ``last.ckpt``."""
+    """Leave out Lightning's warning that the checkpoint folder "exists and is not empty" (in this fit) when the fit
+    continues from a checkpoint in it (the run's own); elsewhere a new run would overwrite another's ``last.ckpt``."""
     if ckpt_path is None or str(ckpt_path) in SPECIAL_PATHS:
         return
     folder = checkpoint_dir(trainer)
     if Path(ckpt_path).resolve().parent != Path(folder).resolve():
         return
     # No argument of ModelCheckpoint avoids the warning: its setup warns before every fit in a non-empty folder.
-    warnings.filterwarnings(
-        "ignore", message=rf"Checkpoint directory {re.escape(str(folder))} exists and is not empty\.$"
-    )
+    for callback in (c for c in trainer.callbacks if isinstance(c, RNGStateCheckpoint)):
+        callback.ignore(rf"Checkpoint directory {re.escape(str(folder))} exists and is not empty\.$")
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ModelCheckpoint (the ``checkpoint:`` section) whose ``save_last=True`` writes ``last.ckpt`` at
-    every validation.
+    every validation, and which removes a stop's ``interrupted.ckpt`` once the run finished.
 
     Lightning 2.6 writes it only where a top-k checkpoint is: a run whose score stopped improving ended with an old
     ``last.ckpt``. A second ModelCheckpoint cannot write it: Lightning refuses two of the same state key (the class
@@ -142,6 +141,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
         save_last_where_skipped(self, trainer, at_epoch_end=True)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        # The finished run's checkpoints are written: a stop's, older, would only make the run look interrupted.
+        interrupted = Path(checkpoint_dir(trainer)) / INTERRUPTED
+        if interrupted.exists() and newest([interrupted.parent]) != str(interrupted):
+            trainer.strategy.remove_checkpoint(interrupted)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

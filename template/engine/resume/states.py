@@ -3,12 +3,13 @@ written on the way (a stop, a periodic save) is written only where Lightning res
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
@@ -36,7 +37,8 @@ def exact_resume_point(trainer: Trainer) -> bool:
 
 class RNGStateCheckpoint(Callback):
     """Saves torch, CUDA, Python, NumPy and sampler-generator states per rank (tensors and plain values: loaded
-    weights-only) and restores them on resume; puts a map-style training DataLoader back at its place in an epoch."""
+    weights-only) and restores them on resume; puts a map-style training DataLoader back at its place in an epoch;
+    steps ``ReduceLROnPlateau`` schedulers where the uninterrupted run steps them (the values they monitor travel)."""
 
     announcement = Mechanism(
         "random states",
@@ -52,6 +54,7 @@ class RNGStateCheckpoint(Callback):
         # Per training loader: the random states its current epoch was drawn from, from the checkpoint.
         self._pending_loaders: list[dict[str, Any] | None] = []
         self._patched: Any = None
+        self._ignored: list[Any] = []  # warnings filters this fit added, removed at its end
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -76,6 +79,13 @@ class RNGStateCheckpoint(Callback):
         if self._patched is not None:
             self._patched.__dict__.pop("process_dataloader", None)  # the class's method is back
             self._patched = None
+        warnings.filters[:] = [entry for entry in warnings.filters if entry not in self._ignored]
+        self._ignored = []
+
+    def ignore(self, message: str) -> None:
+        """Leave out a warning of Lightning's that this fit makes false, until the fit's end."""
+        warnings.filterwarnings("ignore", message=message)
+        self._ignored.append(warnings.filters[0])
 
     def _resumable(self, dataloader: object) -> object:
         resumable = make_resumable(dataloader)
@@ -120,6 +130,8 @@ class RNGStateCheckpoint(Callback):
         state["cuda"] = {str(d): torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
         state["samplers"] = [g.get_state() if g is not None else None for g in _sampler_generators(loaders)]
         state["loaders"] = [_recorded(wrapped(loader)) for loader in loaders]
+        metrics = self._trainer.callback_metrics  # what a plateau scheduler steps on at the epoch's end
+        state["monitors"] = {k: metrics[k].cpu() for k in _plateau_monitors(self._trainer) if k in metrics}
         ranks: list[Any] = [state]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()
@@ -130,11 +142,12 @@ class RNGStateCheckpoint(Callback):
         """Restore this rank's generators now; sampler generators once the train dataloader exists."""
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if state_dict["world_size"] != world_size:
-            rank_zero_warn(
-                f"The checkpoint holds random states of {state_dict['world_size']} processes but this run has "
-                f"{world_size}; random states are not restored, so the resumed run will not repeat the original "
-                "one exactly. Resume with the same number of processes for an exact continuation."
-            )
+            if self._trainer.state.fn == TrainerFn.FITTING:  # an evaluation continues nothing
+                rank_zero_warn(
+                    f"The checkpoint holds random states of {state_dict['world_size']} processes but this run has "
+                    f"{world_size}; random states are not restored, so the resumed run will not repeat the original "
+                    "one exactly. Resume with the same number of processes for an exact continuation."
+                )
             return
         state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
         state = {**state, "cuda": _on_devices(state.get("cuda"), process_devices(self._trainer.strategy))}
@@ -152,6 +165,14 @@ class RNGStateCheckpoint(Callback):
         loaders = self._train_loaders()
         restored, self._restored = self._restored, None
         samplers = None if restored is None else restored["samplers"]
+        trainer.callback_metrics.update({} if restored is None else restored.get("monitors", {}))
+        if trainer.fit_loop.resumed_on_epoch_end and pl_module.automatic_optimization:
+            # Written in an epoch's on_train_epoch_end, before Lightning stepped plateau schedulers there: the resumed
+            # run starts after that epoch's end, so they step now, as Lightning would have.
+            for config in trainer.lr_scheduler_configs:
+                due = config.interval == "epoch" and trainer.current_epoch % config.frequency == 0
+                if config.reduce_on_plateau and due and config.monitor in trainer.callback_metrics:
+                    pl_module.lr_scheduler_step(config.scheduler, trainer.callback_metrics[config.monitor])
         # Lightning restores a StatefulDataLoader's place and sampler generator: a new iterator would lose them.
         stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
@@ -179,22 +200,32 @@ class RNGStateCheckpoint(Callback):
             iter(internals.fit_data_fetcher(trainer))
         # A resumable copy whose checkpoint recorded no states for it cannot replay: say what repeats.
         resumed = all(is_stateful(loader) or getattr(wrapped(loader), "resuming", False) for loader in loaders)
-        if trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None and not resumed:
+        if trainer.fit_loop.restarted_mid_epoch and resumed:  # Lightning knows only its own resumable loaders
+            self.ignore("You're resuming from a checkpoint that ended before the epoch ended and your dataloader")
+        elif trainer.fit_loop.restarted_mid_epoch and self._batches_done is not None:
             done, total = self._batches_done, trainer.num_training_batches
             rank_zero_warn(
-                f"Resuming in the middle of epoch {trainer.current_epoch} (after {done} of {total} "
-                "batches): this run is not an exact continuation. Lightning cannot skip into a plain DataLoader, so "
-                f"the remaining {total - done} steps of this epoch read the data from the start of an epoch again "
-                f"(on one process in a new shuffled order): about {done} batches' worth of this epoch's samples are "
-                "seen twice and as many are not seen. Later epochs proceed normally. For an exact resume use a "
-                "checkpoint written at the end of an epoch (last.ckpt is written after each validation), or a "
-                "DataLoader that can save its place (torchdata's StatefulDataLoader, as the example data does)."
+                f"Resuming in the middle of epoch {trainer.current_epoch} (after {done} of {total} batches): this run "
+                "is not an exact continuation. A training loader that cannot be put back at its place reads the data "
+                f"from an epoch's start again: in the remaining {total - done} steps of this epoch about {done} "
+                "batches' worth of samples are seen twice and as many not at all; later epochs proceed normally. See "
+                "docs/reliability.md, Exact at any step."
             )
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning steps plateau schedulers after this hook but not in a resumed epoch, where it assumes the monitored
+        # value lost: it is this epoch's validation's, else the checkpoint's (on_train_start).
+        if all(monitor in trainer.callback_metrics for monitor in _plateau_monitors(trainer)):
+            internals.end_restart(trainer)
 
     def _train_loaders(self) -> list[DataLoader]:
         loaders: list[DataLoader] = []
         apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
         return loaders
+
+
+def _plateau_monitors(trainer: Trainer) -> list[str]:
+    return [config.monitor for config in trainer.lr_scheduler_configs if config.reduce_on_plateau]
 
 
 def _set_epoch(loader: object, epoch: int) -> None:

@@ -149,6 +149,11 @@ class BatchScaling(Callback):
         # Fresh optimizers hold the base LR; a checkpoint restored later brings its own factor (load_state_dict).
         self.applied_lr_factor = 1.0
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The configured rates, as the run summary states them: a checkpoint restored next brings the schedule's.
+        groups = [optimizer.param_groups[0] for optimizer in trainer.optimizers]
+        self.configured_lrs = [float(group.get("initial_lr", group["lr"])) for group in groups]
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After Lightning restored the optimizer from a checkpoint: rescaling relative to the factor it holds applies
         # the rule once, however often the run resumes.
@@ -208,7 +213,7 @@ def run_summary(trainer: Trainer, per_process: int | None, effective: int | None
         # DataParallel splits each process's batch across its devices; elsewhere a process has one device.
         per_device = per_process / devices_per_process
         per_device = int(per_device) if per_device.is_integer() else round(per_device, 2)
-    rates = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups[:1]]
+    rates = [rate * scaling.applied_lr_factor for rate in scaling.configured_lrs]
     seed = os.environ.get("PL_GLOBAL_SEED")
     strategy = trainer.strategy
     cluster = getattr(strategy, "cluster_environment", None)
