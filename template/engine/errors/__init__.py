@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import os
 import re
 from collections.abc import Iterator
@@ -26,6 +27,13 @@ class ConfigError(Exception):
 
 class DiskError(Exception):
     """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix."""
+
+
+def missing_extra(module: str, needed_by: str) -> str | None:
+    """The line that says ``needed_by`` needs ``module`` of the sweep extra, when it is not installed; else None."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f"{needed_by} needs {module}; install the extra: pip install -e '.[sweep]'"
 
 
 def one_line(message: object) -> str:
