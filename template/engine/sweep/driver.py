@@ -24,6 +24,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy
 import optuna
@@ -308,19 +309,12 @@ def trial_starts(env: dict[str, str]) -> tuple[BaseContext, str | None]:
     """How trial processes start: forked from the fork server, started here with the trials' environment ``env`` (the
     modules it imports read some of it); where there is none, as fresh interpreters, with the line that says so."""
     if sys.platform != "linux":  # macOS's system libraries may start threads, which a fork without exec breaks
-        return multiprocessing.get_context(
-            "spawn"
-        ), f"each trial starts a fresh interpreter (no fork server on {sys.platform})"
+        fresh = f"each trial starts a fresh interpreter (no fork server on {sys.platform})"
+        return multiprocessing.get_context("spawn"), fresh
     starts = multiprocessing.get_context("forkserver")
     starts.set_forkserver_preload(PRELOAD)
-    driver = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        multiprocessing.forkserver.ensure_running()  # the first trial would start it, with the driver's environment
-    finally:
-        os.environ.clear()
-        os.environ.update(driver)
+    with mock.patch.dict(os.environ, env, clear=True):  # else the first trial starts it, in the driver's environment
+        multiprocessing.forkserver.ensure_running()
     return starts, None
 
 
@@ -335,16 +329,15 @@ def become_fit(args: list[str], env: dict[str, str], log: str) -> None:
     for fd in (1, 2):
         os.dup2(output, fd)
     os.close(output)
-    numpy.random.seed()  # drawn anew, as in a fresh interpreter (Python's random module draws anew at each fork)
+    torch.seed()  # the generators drawn anew, as a fresh interpreter's are (Python's random module redraws at a fork)
+    numpy.random.seed()
     multiprocessing.current_process().daemon = False  # its own processes: data loader workers, DDP ranks
     threading.Thread(target=_stop_with_driver, daemon=True).start()
     try:
         runpy.run_module(package, run_name="__main__", alter_sys=True)
-    except SystemExit:
-        raise
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # the traceback as the interpreter prints it
-        raise SystemExit(1) from None
+    except Exception:
+        sys.excepthook(*sys.exc_info())  # the traceback as the interpreter prints it, without multiprocessing's header
+        sys.exit(1)
     finally:
         internals.run_exit_handlers()  # multiprocessing ends the process without them
 
