@@ -1,9 +1,10 @@
 """A callback for sweep tests: it records what a trial's process holds when its fit starts, and leaves state behind
 when the fit ends (an environment variable, a warnings filter, a logging handler, a signal handler, an open file, the
-random generators drawn from), which no later trial may see."""
+random generators drawn from), which no later trial may see; and an exit handler, which its process must run."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ LEFT = "STATE_PROBE_LEFT"
 
 class StateProbe(Callback):
     """At setup writes ``<record_dir>/<run>.json``; the trial whose run folder is named ``kill_run`` then kills its own
-    process with SIGKILL (as the out-of-memory killer would)."""
+    process with SIGKILL (as the out-of-memory killer would). At its exit the process writes ``<run>.exited``."""
 
     def __init__(self, record_dir: str, kill_run: str | None = None) -> None:
         self.record_dir = Path(record_dir)
@@ -59,6 +60,7 @@ class StateProbe(Callback):
         logging.getLogger().addHandler(logging.NullHandler())
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         self.left_open = (self.record_dir / "left-open.txt").open("a")
+        atexit.register((self.record_dir / f"{Path(trainer.log_dir).name}.exited").touch)
 
 
 def _target(fd: str) -> str:

@@ -1,8 +1,8 @@
 """A sweep's trials start warm, forked from a server that imported torch, Lightning and the engine once, and each is
-what a fresh ``python -m <package> fit`` is: its command line, output, exit code and signals, and nothing left behind
-by the trial before it (environment, warnings, logging, signal handlers, open files, random generators). A driver
-killed by SIGKILL stops its trial with a checkpoint; a trial killed by a signal fails alone. Where there is no fork
-server, each trial starts a fresh interpreter, and the sweep says so in its first lines."""
+what a fresh ``python -m <package> fit`` is: its command line, output, exit code and signals, its exit handlers run,
+and nothing left behind by the trial before it (environment, warnings, logging, signal handlers, open files, random
+generators). A driver killed by SIGKILL stops its trial with a checkpoint; a trial killed by a signal fails alone.
+Where there is no fork server, each trial starts a fresh interpreter, and the sweep says so in its first lines."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def _as_fresh_ones(tmp_path: Path, seen: list[dict]) -> None:
         assert trial["stdout"] == [str(folder / f"trial-{k:04d}.log")] * 2
         (start,) = json.loads((folder / f"trial-{k:04d}" / "provenance.json").read_text())["starts"]
         assert start["command"] == shlex.join(trial["orig_argv"]) and start["pid"] == trial["pid"]
+        assert (tmp_path / "probes" / f"trial-{k:04d}.exited").is_file(), "the exit handlers did not run"
     first, second = seen
     assert second["left"] is None, "an environment variable set by the trial before"
     for key in ("warnings", "handlers", "sigusr2"):
