@@ -87,7 +87,7 @@ class Driver:
     running: dict[str, Running] = field(default_factory=dict)
     failures_in_a_row: int = 0
     stop_signal: int | None = None
-    starts: BaseContext = field(default_factory=multiprocessing.get_context)  # how trial processes start
+    starts: BaseContext | None = None  # how trial processes start: run() picks it
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
@@ -95,9 +95,14 @@ class Driver:
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **self.env}  # no SLURM task
         if self.sweep.gpu_memory_fraction is not None:
             self.env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
-        self.starts, fresh = trial_starts(self.env)
-        if fresh:
-            print(f"{self.title}: {fresh}", flush=True)
+        if sys.platform == "linux":
+            self.starts = multiprocessing.get_context("forkserver")
+            self.starts.set_forkserver_preload(PRELOAD)
+            with mock.patch.dict(os.environ, self.env, clear=True):  # its imports read some: the trials' environment
+                multiprocessing.forkserver.ensure_running()  # (the first trial would start it with the driver's)
+        else:  # macOS's system libraries may start threads, which a fork without exec breaks
+            self.starts = multiprocessing.get_context("spawn")
+            print(f"{self.title}: each trial starts a fresh interpreter (no fork server on {sys.platform})", flush=True)
         last_stale_check = 0.0
         while True:
             for slot in list(self.running):
@@ -305,19 +310,6 @@ class Driver:
             running.process.join(timeout=600)
 
 
-def trial_starts(env: dict[str, str]) -> tuple[BaseContext, str | None]:
-    """How trial processes start: forked from the fork server, started here with the trials' environment ``env`` (the
-    modules it imports read some of it); where there is none, as fresh interpreters, with the line that says so."""
-    if sys.platform != "linux":  # macOS's system libraries may start threads, which a fork without exec breaks
-        fresh = f"each trial starts a fresh interpreter (no fork server on {sys.platform})"
-        return multiprocessing.get_context("spawn"), fresh
-    starts = multiprocessing.get_context("forkserver")
-    starts.set_forkserver_preload(PRELOAD)
-    with mock.patch.dict(os.environ, env, clear=True):  # else the first trial starts it, in the driver's environment
-        multiprocessing.forkserver.ensure_running()
-    return starts, None
-
-
 def become_fit(args: list[str], env: dict[str, str], log: str) -> None:
     """In a trial's new process: run ``python -m <package> *args`` as a fresh interpreter would, with the environment
     ``env``, its output appended to ``log``; and stop (SIGTERM) when the driver is gone, even SIGKILLed."""
@@ -325,10 +317,9 @@ def become_fit(args: list[str], env: dict[str, str], log: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.argv, sys.orig_argv = [sys.argv[0], *args], [sys.executable, "-m", package, *args]
-    output = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    for fd in (1, 2):
-        os.dup2(output, fd)
-    os.close(output)
+    with open(log, "ab") as output:
+        os.dup2(output.fileno(), 1)
+        os.dup2(output.fileno(), 2)
     torch.seed()  # the generators drawn anew, as a fresh interpreter's are (Python's random module redraws at a fork)
     numpy.random.seed()
     multiprocessing.current_process().daemon = False  # its own processes: data loader workers, DDP ranks
