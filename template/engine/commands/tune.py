@@ -3,6 +3,7 @@ logger, no run folder), writing what it finds as a config file to stack on ``fit
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from template.engine.commands import preflight
 from template.engine.commands.cli import CLI, PROGRAM, build_cli
 from template.engine.commands.export import ArgumentParser, FitConfig
-from template.engine.errors import ConfigError, disk_errors, missing_extra
+from template.engine.errors import SWEEP_EXTRA, ConfigError, disk_errors
 from template.engine.store import atomic_write, prove_writable
 
 # Each finder's options (--tune.<name>), with Lightning's defaults.
@@ -51,8 +52,8 @@ def main(argv: list[str]) -> None:
         choices = ("power", "binsearch") if name == "mode" else None
         parser.add_argument(f"--tune.{name}", dest=name, type=type(default), default=default, choices=choices)
     options, fit_args = parser.parse_known_args(argv[1:])
-    if finder == "lr" and (missing := missing_extra("matplotlib", "tune lr's plot")) is not None:
-        raise ConfigError(missing)
+    if finder == "lr" and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(f"tune lr draws its plot with matplotlib; {SWEEP_EXTRA}")
     settings = {name: getattr(options, name) for name in FINDERS[finder]}
     with tempfile.TemporaryDirectory(prefix="tune-") as scratch:
         off = ["--trainer.logger=false", "--trackers=null", f"--trainer.default_root_dir={scratch}"]

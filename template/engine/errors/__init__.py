@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib.util
 import os
 import re
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from typing import Any
 
 # Set to 1: an `error:` line that stands for an exception (a mistake's, a dead rank's) is preceded by its traceback.
 TRACEBACK_VARIABLE = "FULL_TRACEBACK"
+SWEEP_EXTRA = "install the extra: pip install -e '.[sweep]'"  # Optuna, matplotlib
 
 
 def full_traceback() -> bool:
@@ -27,13 +27,6 @@ class ConfigError(Exception):
 
 class DiskError(Exception):
     """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix."""
-
-
-def missing_extra(module: str, needed_by: str) -> str | None:
-    """The line that says ``needed_by`` needs ``module`` of the sweep extra, when it is not installed; else None."""
-    if importlib.util.find_spec(module) is not None:
-        return None
-    return f"{needed_by} needs {module}; install the extra: pip install -e '.[sweep]'"
 
 
 def one_line(message: object) -> str:

@@ -5,6 +5,7 @@ trials run ``reporter``). Uses ``commands`` and every package below it. This mod
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,7 +13,7 @@ from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveFloat, PositiveInt, restricted_number_type
 
 from template.engine.commands import PROGRAM
-from template.engine.errors import ConfigError, missing_extra
+from template.engine.errors import SWEEP_EXTRA, ConfigError
 
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
 Folds = restricted_number_type("Folds", int, (">=", 2))
@@ -99,8 +100,8 @@ CV = {"cv": CrossValidation}
 
 def main(argv: list[str], command: str = "sweep") -> int:
     """Run or continue the sweep (or the cross-validation, ``cv``) the arguments describe; the exit code."""
-    if (missing := missing_extra("optuna", f"the {command}")) is not None:
-        raise ConfigError(missing)
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError(f"the {command} needs Optuna; {SWEEP_EXTRA}")
     if "-h" in argv or "--help" in argv:
         print_help(command)
         return 0
@@ -116,7 +117,7 @@ def cv_main(argv: list[str]) -> int:
 def print_help(command: str) -> None:
     """The options of ``sweep`` or ``cv``; every other one is fit's."""
     parser = ArgumentParser(prog=f"{PROGRAM} {command}", default_config_files=[])
-    for name, options in (CV if command == "cv" else SWEEP).items():
+    for name, options in (CV if command == "cv" else {"sweep": Sweep}).items():
         parser.add_class_arguments(options, name)
     parser.print_help()
     if command == "sweep":

@@ -30,7 +30,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, dist
 from optuna.trial import FrozenTrial, TrialState
 
 from template.engine.commands import preflight as config_files
-from template.engine.errors import ConfigError, config_error_in, missing_extra
+from template.engine.errors import SWEEP_EXTRA, ConfigError, config_error_in
 from template.engine.runs import METRICS, run_dir
 from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.runs.table import format_table
@@ -349,13 +349,14 @@ def reproduction(config: dict[str, Any]) -> dict[str, Any]:
 def _plots(folder: Path, plots: dict[str, Callable[..., Any]], *args: Any) -> list[str]:
     """Each plot ``plots[name](*args)`` that can be drawn (too few trials for some), written as ``folder/<name>``;
     none without matplotlib, said in one line."""
-    if (missing := missing_extra("matplotlib", "Drawing the plots")) is not None:
-        print(missing)
-        return []
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"Plots need matplotlib: {SWEEP_EXTRA}")
+        return []
 
     written = []
     for name, plot in plots.items():
