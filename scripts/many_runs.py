@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--trials", type=int, default=20, help="one-epoch trials of the sweep (default 20)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one command may take (default 1800)")
+    parser.add_argument(
+        "--cases", nargs="+", choices=["sweep", "commands", "fit"], default=["sweep", "commands", "fit"],
+        help="what to measure (default: all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.trials < 1:
         print(
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
             + " |"
         )
         print("|" + " --- |" * (3 + 2 * len(trees) + (2 if args.before else 0) - 1), flush=True)
-        for case in mine:
+        kinds = {"sweep": "sweep", "fit to its first training step": "fit"}
+        for case in (case for case in mine if kinds.get(case, "commands") in args.cases):
             sides = {name: commands(tree, args.trials)[case] for name, tree in trees.items()}
             sides["baseline"] = baselines.get(case, LIGHTNING)
             seconds: dict[str, list[float]] = {name: [] for name in sides}

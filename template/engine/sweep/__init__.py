@@ -6,6 +6,8 @@ trials run ``reporter``). Uses ``commands`` and every package below it. This mod
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,6 +17,9 @@ from jsonargparse.typing import PositiveFloat, PositiveInt, restricted_number_ty
 from template.engine.commands import PROGRAM
 from template.engine.errors import SWEEP_EXTRA, ConfigError
 
+# What every trial imports, once in the fork server the trials start from (driver.py); a package that is not installed
+# is left out. Lightning's file checks import s3fs wherever it is installed.
+PRELOAD = [f"{__name__}.driver", "torch.utils.tensorboard", "s3fs"]
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
 Folds = restricted_number_type("Folds", int, (">=", 2))
 
@@ -105,6 +110,8 @@ def main(argv: list[str], command: str = "sweep") -> int:
     if "-h" in argv or "--help" in argv:
         print_help(command)
         return 0
+    if sys.platform == "linux":  # elsewhere the trials start fresh interpreters (driver.py)
+        start_fork_server()
     from template.engine.sweep.study import run
 
     return run(argv, command)
@@ -112,6 +119,22 @@ def main(argv: list[str], command: str = "sweep") -> int:
 
 def cv_main(argv: list[str]) -> int:
     return main(argv, "cv")
+
+
+def start_fork_server() -> None:
+    """Start the fork server the trials start from: it imports torch and Lightning while this process does. Started in
+    the trials' environment, which the modules read as they are imported."""
+    import multiprocessing.forkserver
+    from unittest import mock
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    with mock.patch.dict(os.environ, trial_environment(), clear=True):
+        multiprocessing.forkserver.ensure_running()
+
+
+def trial_environment() -> dict[str, str]:
+    """This process's environment as a trial gets it: without SLURM's variables (the trial is no SLURM task)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 
 
 def print_help(command: str) -> None:

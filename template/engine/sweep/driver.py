@@ -1,13 +1,14 @@
 """The driver: asks Optuna for trials, runs each (each of its folds) as a ``fit`` process in a worker slot with its own
 GPUs, reports, prunes, records. A trial's process is forked from a server that has imported torch, Lightning and the
-engine once for the sweep (Python's multiprocessing forkserver), then becomes ``python -m <package> fit``."""
+engine once for the sweep (Python's multiprocessing forkserver, started by ``main``), then becomes ``python -m
+<package> fit``."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
-import multiprocessing.forkserver
+import multiprocessing
 import os
 import posixpath
 import re
@@ -24,7 +25,6 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy
 import optuna
@@ -38,6 +38,7 @@ from template.engine.errors import ConfigError
 from template.engine.jobs.processes import requeue_slurm_job
 from template.engine.store import Lock, atomic_write, try_lock
 from template.engine.strategies.devices import gpu_count
+from template.engine.sweep import trial_environment
 from template.engine.sweep.folds import FOLD
 from template.engine.sweep.options import Configs, Sweep
 from template.engine.sweep.reporter import MEMORY_FRACTION, NOT_LOGGED, REPORTER, REPORTS
@@ -46,9 +47,6 @@ STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
-# What every trial imports, once in the fork server; a package that is not installed is left out. Lightning's file
-# checks import s3fs wherever it is installed.
-PRELOAD = [__name__, "torch.utils.tensorboard", "s3fs"]
 
 
 @dataclass
@@ -92,16 +90,11 @@ class Driver:
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **self.env}  # no SLURM task
+        self.env = {**trial_environment(), **self.env}
         if self.sweep.gpu_memory_fraction is not None:
             self.env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
-        if sys.platform == "linux":
-            self.starts = multiprocessing.get_context("forkserver")
-            self.starts.set_forkserver_preload(PRELOAD)
-            with mock.patch.dict(os.environ, self.env, clear=True):  # its imports read some: the trials' environment
-                multiprocessing.forkserver.ensure_running()  # (the first trial would start it with the driver's)
-        else:  # macOS's system libraries may start threads, which a fork without exec breaks
-            self.starts = multiprocessing.get_context("spawn")
+        self.starts = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
+        if sys.platform != "linux":  # macOS's system libraries may start threads, which a fork without exec breaks
             print(f"{self.title}: each trial starts a fresh interpreter (no fork server on {sys.platform})", flush=True)
         last_stale_check = 0.0
         while True:
