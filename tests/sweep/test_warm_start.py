@@ -33,16 +33,10 @@ def _probed(tmp_path: Path, n_trials: int = 2, kill: str | None = None) -> list:
         "trainer:\n  callbacks:\n  - class_path: state_probe.StateProbe\n"
         f"    init_args: {{record_dir: {tmp_path / 'probes'}, kill_run: {kill or 'null'}}}"
     )
-    # Unseeded, as a fresh interpreter's generators are: each trial draws its own.
-    return [
-        "sweep",
-        "--config",
-        CONFIGS / "default.yaml",
-        "--config",
-        tmp_path / "s.yaml",
-        *TINY,
-        "--seed_everything=false",
-    ]
+    # Unseeded, as a fresh interpreter's generators are: each trial draws its own. A data loader worker: a process the
+    # trial starts of its own.
+    own = ["--seed_everything=false", "--data.num_workers=1"]
+    return ["sweep", "--config", CONFIGS / "default.yaml", "--config", tmp_path / "s.yaml", *TINY, *own]
 
 
 def _seen(tmp_path: Path, run: str) -> dict:
