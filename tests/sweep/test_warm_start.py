@@ -47,14 +47,8 @@ def _as_fresh_ones(tmp_path: Path, seen: list[dict]) -> None:
     """Each trial ran the command a fresh interpreter would, into its own log; none saw what the one before left."""
     folder = tmp_path / "lightning_logs" / "s"
     for k, trial in enumerate(seen):
-        assert trial["orig_argv"] == [
-            sys.executable,
-            "-m",
-            PACKAGE,
-            "fit",
-            "--config",
-            f"lightning_logs/s/trial-{k:04d}.yaml",
-        ]
+        config = f"lightning_logs/s/trial-{k:04d}.yaml"
+        assert trial["orig_argv"] == [sys.executable, "-m", PACKAGE, "fit", "--config", config]
         assert trial["argv"] == trial["orig_argv"][3:] and trial["cwd"] == str(tmp_path)
         assert trial["stdout"] == [str(folder / f"trial-{k:04d}.log")] * 2
         (start,) = json.loads((folder / f"trial-{k:04d}" / "provenance.json").read_text())["starts"]

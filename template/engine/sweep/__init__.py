@@ -110,8 +110,7 @@ def main(argv: list[str], command: str = "sweep") -> int:
     if "-h" in argv or "--help" in argv:
         print_help(command)
         return 0
-    if sys.platform == "linux":  # elsewhere the trials start fresh interpreters (driver.py)
-        start_fork_server()
+    start_fork_server()  # it imports torch and Lightning while this process does (the driver says if it cannot)
     from template.engine.sweep.study import run
 
     return run(argv, command)
@@ -121,15 +120,21 @@ def cv_main(argv: list[str]) -> int:
     return main(argv, "cv")
 
 
-def start_fork_server() -> None:
-    """Start the fork server the trials start from: it imports torch and Lightning while this process does. Started in
-    the trials' environment, which the modules read as they are imported."""
+def start_fork_server() -> str | None:
+    """Start the fork server the trials start from, in the trials' environment (which the modules read as they are
+    imported), unless it runs; None, or why the trials start fresh interpreters instead."""
+    if sys.platform != "linux":  # macOS's system libraries may start threads, which a fork without exec breaks
+        return f"no fork server on {sys.platform}"
     import multiprocessing.forkserver
     from unittest import mock
 
     multiprocessing.set_forkserver_preload(PRELOAD)
-    with mock.patch.dict(os.environ, trial_environment(), clear=True):
-        multiprocessing.forkserver.ensure_running()
+    try:
+        with mock.patch.dict(os.environ, trial_environment(), clear=True):
+            multiprocessing.forkserver.ensure_running()
+    except OSError as err:  # its socket goes in TMPDIR, too long over ~70 characters (before CPython gh-132124)
+        return f"the fork server cannot start: {err}; a shorter TMPDIR lets it"
+    return None
 
 
 def trial_environment() -> dict[str, str]:

@@ -38,7 +38,7 @@ from template.engine.errors import ConfigError
 from template.engine.jobs.processes import requeue_slurm_job
 from template.engine.store import Lock, atomic_write, try_lock
 from template.engine.strategies.devices import gpu_count
-from template.engine.sweep import trial_environment
+from template.engine.sweep import start_fork_server, trial_environment
 from template.engine.sweep.folds import FOLD
 from template.engine.sweep.options import Configs, Sweep
 from template.engine.sweep.reporter import MEMORY_FRACTION, NOT_LOGGED, REPORTER, REPORTS
@@ -93,9 +93,10 @@ class Driver:
         self.env = {**trial_environment(), **self.env}
         if self.sweep.gpu_memory_fraction is not None:
             self.env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
-        self.starts = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
-        if sys.platform != "linux":  # macOS's system libraries may start threads, which a fork without exec breaks
-            print(f"{self.title}: each trial starts a fresh interpreter (no fork server on {sys.platform})", flush=True)
+        fresh = start_fork_server()  # running already: started as the command started
+        self.starts = multiprocessing.get_context("spawn" if fresh else "forkserver")
+        if fresh:
+            print(f"{self.title}: each trial starts a fresh interpreter ({fresh})", flush=True)
         last_stale_check = 0.0
         while True:
             for slot in list(self.running):
