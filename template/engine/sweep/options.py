@@ -1,4 +1,5 @@
-"""The ``sweep`` and ``cv`` sections, read with the rest of the command line by the fit parser; the search space."""
+"""The ``sweep`` and ``cv`` sections (defined in ``sweep/__init__.py``), read with the rest of the command line by the
+fit parser; the search space."""
 
 from __future__ import annotations
 
