@@ -1,4 +1,4 @@
-from template.engine.commands.cli import main
+from template.engine.commands import main
 
 if __name__ == "__main__":
     main()

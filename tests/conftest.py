@@ -272,7 +272,7 @@ def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
 @pytest.fixture
 def run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """Run the command line inside this process, in ``tmp_path``: no interpreter start-up, for runs that stop early."""
-    from template.engine.commands.cli import main
+    from template.engine.commands import main
 
     def run(*args: str) -> subprocess.CompletedProcess:
         monkeypatch.chdir(tmp_path)

@@ -235,6 +235,35 @@ def test_startup_refuses_no_repeats_in_one_line(capsys) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_many_runs_puts_a_sweep_and_the_commands_without_training_beside_their_baselines(tmp_path: Path) -> None:
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    args = ("--repeats", "1", "--trials", "2", "--cases", "commands", "sweep")
+    result = _script("many_runs.py", *args, cwd=tmp_path, timeout=840)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row.split("|")[1].strip(): row.split("|")[2:-1] for row in result.stdout.splitlines()[3:]}
+    light = ["runs", "--help", "sweep --help", "cv --help", "a misspelt subcommand"]
+    assert list(rows) == [*light, "sweep", "a sweep trial's overhead over its training"], result.stdout
+    for name in light:  # each answers before bare Lightning is even imported (one round: the ratio of its two runs)
+        assert float(rows[name][2].split()[0]) < 1, (name, rows[name])
+    # The sweep's trials cost more than Optuna's in-process trials, the floor; its overhead is under its whole time.
+    sweep, overhead = ([float(cell.split()[0]) for cell in rows[name][:2]] for name in list(rows)[-2:])
+    assert sweep[0] > sweep[1] > 0 and 0 < overhead[0] < sweep[0] and overhead[1] < overhead[0]
+
+
+def test_many_runs_refuses_no_repeats_in_one_line(capsys) -> None:  # noqa: ANN001
+    sys.path.insert(0, str(SCRIPTS))  # it reads startup.py's commands
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            _load("many_runs").main(["--repeats", "0"])
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert exit_info.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == ["error: --repeats and --trials must be at least 1, got 0 and 20"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_storage_benchmark_runs_the_example_on_a_disk_and_on_s3_side_by_side(tmp_path: Path) -> None:
     pytest.importorskip("moto", reason="the dev extra is not installed: pip install -e '.[dev]'")

@@ -222,7 +222,7 @@ def test_default_bake_is_a_renamed_copy_of_the_live_project(default_bake: Path) 
     assert meta["project"]["name"] == "lightning-project"
     assert meta["project"]["authors"] == [{"name": "Your Name", "email": "you@example.com"}]
     assert meta["project"]["license"] == "MIT" and "Your Name" in (project / "LICENSE").read_text()
-    assert meta["project"]["scripts"] == {package: f"{package}.engine.commands.cli:main"}
+    assert meta["project"]["scripts"] == {package: f"{package}.engine.commands:main"}
     assert not [d for d in meta["project"]["optional-dependencies"]["dev"] if re.match(r"cookiecutter|cruft", d)]
 
     readme = (project / "README.md").read_text()

@@ -44,6 +44,15 @@ class _Recording(BoringModel):
         self.seen: list = []
 
 
+def test_exit_handlers_run_now_as_at_the_interpreters_exit() -> None:
+    code = (
+        f"import atexit, os; from {internals.__name__} import run_exit_handlers; atexit.register(print, 'ran'); "
+        "run_exit_handlers(); print('then'); os._exit(0)"  # as a process multiprocessing started ends
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["ran", "then"], done.stderr[-3000:]
+
+
 def test_missing_name_fails_loudly_with_package_version_and_fix() -> None:
     with pytest.raises(internals.InternalsChanged, match=r"lightning \d+\.\d+.*`object\._timeout`.*README"):
         internals._require(object(), "_timeout", "lightning", "the hang watchdog")

@@ -4,6 +4,7 @@ naming the package, its version and the name (the fix: a version from README's "
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import subprocess
@@ -283,3 +284,12 @@ def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:
 def queued_values(trial: Any) -> dict[str, Any]:
     """The values ``study.enqueue_trial`` gave a trial (a FrozenTrial), which Optuna keeps in a system attribute."""
     return trial.system_attrs.get("fixed_params", {})
+
+
+# Python: a process that multiprocessing started (sweep/driver.py).
+
+
+def run_exit_handlers() -> None:
+    """Run the ``atexit`` handlers now, as the interpreter does at its exit: a multiprocessing child ends with
+    ``os._exit``, which skips them (loggers' and data loaders' clean-up, a tracker ending its run)."""
+    atexit._run_exitfuncs()

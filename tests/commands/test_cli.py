@@ -102,8 +102,34 @@ def test_print_config_round_trip(run_main, run_cli, tmp_path):
     assert config["checkpoint"]["filename"] == "best-{epoch}-{val_acc:.4f}"
 
 
+# What needs no training answers without importing torch or Lightning: each case, its exit code and a line it prints.
+LIGHT = {
+    "runs": (["runs", "."], 0, "No runs under"),
+    "help": (["--help"], 0, "Train (a named run continues from its newest checkpoint)"),
+    "sweep help": (["sweep", "--help"], 0, "--sweep.n_trials"),
+    "cv help": (["cv", "--config", "x.yaml", "--help"], 0, "--cv.folds"),
+    "misspelt": (["fitt"], 2, "error: no subcommand 'fitt' (did you mean 'fit'?); use one of: fit, validate, test,"),
+    "none": ([], 2, "error: no subcommand given; use one of: fit, validate"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIGHT))
+def test_what_needs_no_training_imports_neither_torch_nor_lightning(case: str, tmp_path: Path) -> None:
+    args, code, line = LIGHT[case]
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", PACKAGE, *args], cwd=tmp_path, env=cli_env(), capture_output=True,
+        text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    imported = {row.split("|")[-1].strip() for row in done.stderr.splitlines() if row.startswith("import time:")}
+    assert imported and not {name for name in imported if name.split(".")[0] in ("torch", "lightning")}
+    said = [row for row in (done.stdout + done.stderr).splitlines() if not row.startswith("import time:")]
+    assert done.returncode == code and any(line in row for row in said), done.stdout + done.stderr[-3000:]
+    if code:
+        assert said == [row for row in said if row.startswith("error:")] and len(said) == 1
+
+
 def test_help_names_the_program_and_every_subcommand(run_main):
-    from template.engine.commands.cli import COMMANDS
+    from template.engine.commands import COMMANDS
 
     shown = run_main("--help")
     assert shown.returncode == 0, shown.stderr

@@ -318,7 +318,8 @@ def _assert_users_defaults(model: dict, data: dict) -> None:
 def test_every_command_reads_the_users_classes_with_their_own_defaults(tmp_path, monkeypatch, run_main) -> None:  # noqa: ANN001
     from template.engine.commands import export, tune
     from template.engine.commands.cli import build_cli
-    from template.engine.sweep.options import CV, SWEEP, Configs
+    from template.engine.sweep import CV, SWEEP
+    from template.engine.sweep.options import Configs
 
     monkeypatch.syspath_prepend(str(USER_CODE))
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(TABULAR))

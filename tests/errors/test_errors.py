@@ -399,7 +399,8 @@ def test_fit_and_sweep_refuse_a_config_file_with_the_same_line(
 ) -> None:
     pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
     from template.engine.errors import ConfigError
-    from template.engine.sweep.options import SWEEP, Configs
+    from template.engine.sweep import SWEEP
+    from template.engine.sweep.options import Configs
 
     text, fragment = BAD_FILES[name]
     if text is not None:

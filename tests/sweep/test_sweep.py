@@ -327,7 +327,8 @@ SPACE = {
 
 def _worker(storage, space: dict, sampler: str = "tpe", seed: int = 0, pruner: str = "median") -> tuple:
     """A study as a sweep process opens it, and its space (the sweep's own code, no fit processes)."""
-    from template.engine.sweep.options import Sweep, search_space
+    from template.engine.sweep import Sweep
+    from template.engine.sweep.options import search_space
     from template.engine.sweep.study import open_study
 
     sweep = Sweep(name="s", space=space, n_trials=6, sampler=sampler, seed=seed, pruner=pruner)

@@ -3,7 +3,8 @@
 
 The moments are found from outside, without hooks in the driver: the files it writes (a trial's config is written
 just before its process starts; a checkpoint; the results table), and a driver frozen with SIGSTOP, so that a trial
-that ends cannot be recorded before the test kills the driver."""
+that ends cannot be recorded before the test kills the driver (the trial, forked from the driver's fork server, ends
+meanwhile)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,22 @@ def _wait(condition: Callable[[], bool], what: str, driver=None, timeout: float 
         time.sleep(0.05)
 
 
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def _trial_pid(driver) -> int | None:
-    """The driver's trial process (the driver runs one trial at a time here)."""
-    children = Path(f"/proc/{driver.pid}/task/{driver.pid}/children").read_text().split()
-    return int(children[0]) if children else None
+    """The driver's trial process (the driver runs one trial at a time here): a child of the driver's fork server."""
+    trials = [trial for child in _children(driver.pid) for trial in _children(child)]
+    return trials[0] if trials else None
 
 
 def _ended(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie: its parent, the stopped driver, has not collected it)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    """Whether ``pid`` has exited: collected by the fork server, or a zombie its stopped parent has not collected."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _again(args: list, tmp_path: Path) -> str:

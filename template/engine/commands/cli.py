@@ -14,7 +14,6 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing_extensions import override
 
 import template
 from template.engine import errors, internals
-from template.engine.commands import preflight
+from template.engine.commands import COMMANDS, PROGRAM, preflight
 from template.engine.errors import ConfigError, blame
 from template.engine.jobs.preemption import Preemption, restore_signal_handlers, signal_handlers
 from template.engine.jobs.processes import HangWatchdog, dead_rank, join_restarted_group
@@ -55,7 +54,6 @@ from template.engine.strategies.compile import CompileNetwork
 from template.engine.strategies.ema import EMAOptions, ema_callbacks
 from template.engine.strategies.scaling import BatchScaling
 
-PROGRAM = f"python -m {template.__name__}"
 # The example the command line runs unless a config names another LightningModule or DataModule.
 EXAMPLE = {"model": f"{template.__name__}.model.Classifier", "data": f"{template.__name__}.data.DigitsDataModule"}
 EXAMPLE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -71,39 +69,6 @@ CALLBACK_SECTIONS: dict[str, type[Callback]] = {
     "throughput": ThroughputLog,
 }
 RESULTS = "test-results.json"
-
-
-@dataclass(frozen=True)
-class Command:
-    """A subcommand: its line in ``--help``, and for one that is not LightningCLI's, ``module:function`` running it."""
-
-    description: str
-    runs: str | None = None
-
-
-# Every subcommand, in the order --help lists them.
-COMMANDS: dict[str, Command] = {
-    "fit": Command("Train (a named run continues from its newest checkpoint)"),
-    "validate": Command("Evaluate a checkpoint on the validation data"),
-    "test": Command("Evaluate a checkpoint on the test data"),
-    "predict": Command("Write a checkpoint's predictions to a CSV file"),
-    "export": Command("Write a checkpoint's network weights for plain PyTorch, or ONNX", f"{__package__}.export:main"),
-    "tune": Command(
-        "Find a learning rate or the largest batch (Lightning's Tuner): a config file", f"{__package__}.tune:main"
-    ),
-    "sweep": Command(
-        "Search hyper-parameters with Optuna: each trial a fit in its own process (sweep: section)",
-        f"{template.__name__}.engine.sweep:main",
-    ),
-    "cv": Command(
-        "K-fold cross-validation, each fold a fit in its own process (--cv.folds)",
-        f"{template.__name__}.engine.sweep:cv_main",
-    ),
-    "runs": Command(
-        "List the runs under a folder in one table (status, best score, speed, config differences)",
-        f"{template.__name__}.engine.runs.table:main",
-    ),
-}
 
 
 def _described(method: Callable[..., Any]) -> Callable[..., Any]:

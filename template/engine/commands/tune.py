@@ -18,7 +18,7 @@ from template.engine import internals
 from template.engine.commands import preflight
 from template.engine.commands.cli import CLI, PROGRAM, build_cli, quiet_libraries
 from template.engine.commands.export import ArgumentParser, FitConfig
-from template.engine.errors import ConfigError, disk_errors
+from template.engine.errors import SWEEP_EXTRA, ConfigError, disk_errors
 from template.engine.store import atomic_write, prove_writable
 
 # Each finder's options (--tune.<name>), with Lightning's defaults.
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
         parser.add_argument(f"--tune.{name}", dest=name, type=type(default), default=default, choices=choices)
     options, fit_args = parser.parse_known_args(argv[1:])
     if finder == "lr" and importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("tune lr draws its plot with matplotlib; install the extra: pip install -e '.[sweep]'")
+        raise ConfigError(f"tune lr draws its plot with matplotlib; {SWEEP_EXTRA}")
     settings = {name: getattr(options, name) for name in FINDERS[finder]}
     with tempfile.TemporaryDirectory(prefix="tune-") as scratch, quiet_libraries(*FINDER_LINES):
         off = ["--trainer.logger=false", "--trackers=null", f"--trainer.default_root_dir={scratch}"]

@@ -13,6 +13,7 @@ from typing import Any
 
 # Set to 1: an `error:` line that stands for an exception (a mistake's, a dead rank's) is preceded by its traceback.
 TRACEBACK_VARIABLE = "FULL_TRACEBACK"
+SWEEP_EXTRA = "install the extra: pip install -e '.[sweep]'"  # Optuna, matplotlib
 
 
 def full_traceback() -> bool:

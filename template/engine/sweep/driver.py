@@ -1,38 +1,46 @@
 """The driver: asks Optuna for trials, runs each (each of its folds) as a ``fit`` process in a worker slot with its own
-GPUs, reports, prunes, records."""
+GPUs, reports, prunes, records. A trial's process is forked from a server that has imported torch, Lightning and the
+engine once for the sweep (Python's multiprocessing forkserver, started by ``main``), then becomes ``python -m
+<package> fit``."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
+import multiprocessing
 import os
 import posixpath
 import re
+import runpy
 import signal
 import socket
 import statistics
-import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy
 import optuna
 import torch
 import yaml
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.trial import FrozenTrial, Trial, TrialState
 
+from template.engine import internals
 from template.engine.errors import ConfigError
-from template.engine.jobs.processes import die_with_parent, requeue_slurm_job
+from template.engine.jobs.processes import requeue_slurm_job
 from template.engine.runs import read_starts
 from template.engine.runs.provenance import write_starts
 from template.engine.store import Lock, atomic_write, try_lock
 from template.engine.strategies.devices import gpu_count
+from template.engine.sweep import start_fork_server, trial_environment
 from template.engine.sweep.folds import FOLD
 from template.engine.sweep.options import Configs, Sweep
 from template.engine.sweep.reporter import MEMORY_FRACTION, NOT_LOGGED, REPORTER, REPORTS
@@ -41,8 +49,6 @@ STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
-# A trial gets SIGTERM (so writes its checkpoint) when the driver dies, rather than training on unowned.
-_DIES_WITH_US = functools.partial(die_with_parent, signal.SIGTERM)
 
 
 @dataclass
@@ -52,7 +58,7 @@ class Running:
     trial: Trial
     folder: str  # in the study's folder
     fold: int | None  # None: one fit on the DataModule's own split, reported at each validation
-    process: subprocess.Popen
+    process: BaseProcess
     reported: set[int]
     started: float = field(default_factory=time.monotonic)
     heartbeat: float = field(default_factory=time.monotonic)
@@ -75,16 +81,24 @@ class Driver:
     folder: Path
     slots: list[str]
     gpus: dict[str, str]
-    env: dict[str, str]  # for the trials, over this process's
+    env: dict[str, str]  # for the trials, over this process's (run() makes it the whole of theirs)
     title: str  # its console lines' start
     folds: int = 0
     running: dict[str, Running] = field(default_factory=dict)
     failures_in_a_row: int = 0
     stop_signal: int | None = None
+    starts: BaseContext | None = None  # how trial processes start: run() picks it
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(signum, self._on_signal)
+        self.env = {**trial_environment(), **self.env}
+        if self.sweep.gpu_memory_fraction is not None:
+            self.env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
+        fresh = start_fork_server()  # running already: started as the command started
+        self.starts = multiprocessing.get_context("spawn" if fresh else "forkserver")
+        if fresh:
+            print(f"{self.title}: each trial starts a fresh interpreter ({fresh})", flush=True)
         last_stale_check = 0.0
         while True:
             for slot in list(self.running):
@@ -158,18 +172,13 @@ class Driver:
         config = trial_config(self.configs.complete(values, f"trial {trial.number}: "), self.sweep, run)
         path = self.folder / f"{run}.yaml"
         atomic_write(path, lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # the trial is no SLURM task
-        env.update(self.env)
-        if slot in self.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot]
-        if self.sweep.gpu_memory_fraction is not None:
-            env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
+        env = {**self.env, **({"CUDA_VISIBLE_DEVICES": self.gpus[slot]} if slot in self.gpus else {})}
         what = "continues" if "started" in trial.user_attrs and (self.folder / run).is_dir() else "starts"
         trial.set_user_attr("started", time.time())  # before the process: a trial that may have run is no surplus
-        command = [sys.executable, "-m", __package__.split(".")[0], "fit", "--config", str(path)]
-        with (self.folder / f"{run}.log").open("a") as log:  # the process has its own copy of the file
-            options = {"stdout": log, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL, "env": env}
-            process = subprocess.Popen(command, **options, preexec_fn=_DIES_WITH_US)
+        fit = (["fit", "--config", str(path)], env, str(self.folder / f"{run}.log"))
+        # Daemonic: when the driver exits, it stops the trial (SIGTERM: a checkpoint first) and waits for it.
+        process = self.starts.Process(target=become_fit, args=fit, daemon=True)
+        process.start()
         reported = set(self._trials()[trial.number].intermediate_values)  # a continued trial's reports stay
         self.running[slot] = Running(trial, run, fold, process, reported)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
@@ -181,7 +190,7 @@ class Driver:
         if time.monotonic() - running.heartbeat > self.sweep.heartbeat:
             running.trial.set_user_attr("heartbeat", time.time())
             running.heartbeat = time.monotonic()
-        if (code := running.process.poll()) is None:
+        if (code := running.process.exitcode) is None:
             return
         self._read_reports(running)
         del self.running[slot]
@@ -214,8 +223,7 @@ class Driver:
     def _end(self, running: Running, why: str | None) -> None:
         """Stop the trial between two steps: its SIGTERM handler writes a checkpoint first."""
         running.ending = why
-        with contextlib.suppress(ProcessLookupError):
-            running.process.send_signal(signal.SIGTERM)
+        running.process.terminate()
 
     def _record(self, running: Running, code: int) -> None:
         trial, ending = running.trial, running.ending
@@ -299,8 +307,35 @@ class Driver:
         for running in self.running.values():
             self._end(running, why)
         for running in self.running.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                running.process.wait(timeout=600)
+            running.process.join(timeout=600)
+
+
+def become_fit(args: list[str], env: dict[str, str], log: str) -> None:
+    """In a trial's new process: run ``python -m <package> *args`` as a fresh interpreter would, with the environment
+    ``env``, its output appended to ``log``; and stop (SIGTERM) when the driver is gone, even SIGKILLed."""
+    package = __package__.split(".")[0]
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv, sys.orig_argv = [sys.argv[0], *args], [sys.executable, "-m", package, *args]
+    with open(log, "ab") as output:
+        os.dup2(output.fileno(), 1)
+        os.dup2(output.fileno(), 2)
+    torch.seed()  # the generators drawn anew, as a fresh interpreter's are (Python's random module redraws at a fork)
+    numpy.random.seed()
+    multiprocessing.current_process().daemon = False  # its own processes: data loader workers, DDP ranks
+    threading.Thread(target=_stop_with_driver, daemon=True).start()
+    try:
+        runpy.run_module(package, run_name="__main__", alter_sys=True)
+    except Exception:
+        sys.excepthook(*sys.exc_info())  # the traceback as the interpreter prints it, without multiprocessing's header
+        sys.exit(1)
+    finally:
+        internals.run_exit_handlers()  # multiprocessing ends the process without them
+
+
+def _stop_with_driver() -> None:
+    multiprocessing.parent_process().join()  # returns when the driver is gone: its end of a pipe closes
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _taken(trials: list[FrozenTrial]) -> int:

@@ -1,4 +1,5 @@
-"""The ``sweep`` and ``cv`` sections, read with the rest of the command line by the fit parser; the search space."""
+"""The ``sweep`` and ``cv`` sections (defined in ``sweep/__init__.py``), read with the rest of the command line by the
+fit parser; the search space."""
 
 from __future__ import annotations
 
@@ -6,104 +7,19 @@ import functools
 import json
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from jsonargparse import ArgumentParser
-from jsonargparse.typing import PositiveFloat, PositiveInt, restricted_number_type
 from lightning.pytorch.cli import LightningArgumentParser
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from typing_extensions import override
 
-from template.engine.commands.cli import CLI, PROGRAM, build_cli
+from template.engine.commands.cli import CLI, build_cli
 from template.engine.errors import ConfigError
+from template.engine.sweep import Sweep
 
-Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
-Folds = restricted_number_type("Folds", int, (">=", 2))
 KINDS = {"float": FloatDistribution, "int": IntDistribution, "categorical": CategoricalDistribution}
 
-
-@dataclass
-class Sweep:
-    """The ``sweep`` section: a hyper-parameter search whose trials are ``fit`` runs of the rest of the config.
-
-    Args:
-        name: the study, and its folder ``lightning_logs/<name>/``.
-        space: option -> ``{type: float|int, low, high, log, step}`` or ``{type: categorical, choices}``.
-        n_trials: trials that finish (complete or pruned); failed ones are replaced.
-        workers: trials at once in this process.
-        trials_per_gpu: trials that share each GPU (worker slots in a row get the same GPUs); 1 gives each its own.
-        gpu_memory_fraction: the share of its GPUs' memory one trial may allocate, so it cannot starve the others.
-        storage: null for a journal file in the sweep folder, an Optuna database URL (``postgresql://...``) or the
-            path of a journal file on a shared disk.
-        objective: the metric a trial scores (its best value); default ``checkpoint.monitor``, which it leaves as it is.
-        direction: minimize or maximize the objective; default from ``checkpoint.mode`` where the objective is the
-            monitor's.
-        sampler: Optuna's TPE or random sampler.
-        seed: the proposals are a function of the seed and the trial number; null for fresh ones each start.
-        pruner: Optuna's median or hyperband pruner on the value at each validation, or none.
-        max_failures: failed trials in a row that stop the sweep.
-        heartbeat: seconds between a trial's heartbeats; one silent for 4 (its worker died) is continued by another.
-        enqueue: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
-    """
-
-    name: str
-    space: dict[str, Any]
-    n_trials: PositiveInt = 20
-    workers: PositiveInt = 1
-    trials_per_gpu: PositiveInt = 1
-    gpu_memory_fraction: Fraction | None = None
-    storage: str | None = None
-    objective: str | None = None
-    direction: Literal["minimize", "maximize"] | None = None
-    sampler: Literal["tpe", "random"] = "tpe"
-    seed: int | None = 0
-    pruner: Literal["median", "hyperband", "none"] = "median"
-    max_failures: PositiveInt = 3
-    heartbeat: PositiveFloat = 30.0
-    enqueue: list[dict[str, Any]] | None = None
-
-
-@dataclass
-class CrossValidation:
-    """The ``cv`` section: k-fold cross-validation of the rest of the config, each fold a ``fit`` run.
-
-    Args:
-        folds: the number of folds; each trains on the others and validates on its own.
-        name: its folder ``lightning_logs/<name>/``; default: the configs' names and a hash of the complete config.
-        workers: folds at once in this process.
-        storage: as ``sweep.storage``: null for a journal file in the folder, a database URL or a journal path.
-        objective: the metric each fold scores (its best value); default ``checkpoint.monitor``.
-        direction: as ``sweep.direction``: which of the fold's values is its best.
-        stratify: refuse a DataModule that gives the split no labels (folds are stratified whenever it gives them).
-    """
-
-    folds: Folds = 5
-    name: str | None = None
-    workers: PositiveInt = 1
-    storage: str | None = None
-    objective: str | None = None
-    direction: Literal["minimize", "maximize"] | None = None
-    stratify: bool = False
-
-
-@dataclass
-class TrialFolds:
-    """The ``cv`` section of a ``sweep``: each trial a cross-validation, its value the mean over its folds.
-
-    Args:
-        folds: each trial's folds, run one after another, the pruner deciding after each on the running mean;
-            null: each trial is one fit on the DataModule's own split.
-        stratify: as ``cv.stratify``.
-    """
-
-    folds: Folds | None = None
-    stratify: bool = False
-
-
-SWEEP = {"sweep": Sweep, "cv": TrialFolds}
-CV = {"cv": CrossValidation}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -146,15 +62,6 @@ class Configs:
             raise ConfigError(f"{what}{err}") from None
         config = yaml.safe_load(self.cli.parser.dump(self.cli.config, skip_none=False))
         return {key: value for key, value in config.items() if key not in self.sections}
-
-
-def print_help(command: str, sections: dict[str, type], more: str = "") -> None:
-    """The command's own options; every other one is fit's."""
-    parser = ArgumentParser(prog=f"{PROGRAM} {command}", default_config_files=[])
-    for name, options in sections.items():
-        parser.add_class_arguments(options, name)
-    parser.print_help()
-    print(f"{more}\nEvery other option is fit's: {PROGRAM} fit --help")
 
 
 def search_space(sweep: Sweep) -> dict[str, BaseDistribution]:

@@ -30,28 +30,25 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, dist
 from optuna.trial import FrozenTrial, TrialState
 
 from template.engine.commands import preflight as config_files
-from template.engine.errors import ConfigError, config_error_in
+from template.engine.errors import SWEEP_EXTRA, ConfigError, config_error_in
 from template.engine.logs import METRICS, read_metrics
 from template.engine.runs import run_dir
 from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.runs.table import format_table
 from template.engine.store import atomic_write
+from template.engine.sweep import CV, SWEEP, Sweep
 from template.engine.sweep.driver import FOLD_SCORES, Driver, claim_slots, slot_gpus, who
 from template.engine.sweep.folds import FOLD, PROTOCOL, log
-from template.engine.sweep.options import CV, SWEEP, Configs, Sweep, print_help, search_space
+from template.engine.sweep.options import Configs, search_space
 from template.engine.sweep.reporter import REPORTER, REPORTS
 from template.engine.sweep.sampler import TrialSeeded
 
 JOURNAL, TABLE, FOLDS, BEST = "study.journal", "trials.csv", "folds.csv", "best.yaml"
 SPACE = "space"  # the study's user attribute that records sweep.space
-MORE_HELP = "\n--cv.folds=k (or a cv: section): each trial a k-fold cross-validation, scored by the mean\n"
 
 
 def run(argv: list[str], command: str) -> int:
     """Run or continue the sweep, or the cross-validation (``cv``: a study whose trials are the folds)."""
-    if "-h" in argv or "--help" in argv:
-        print_help(command, CV if command == "cv" else {"sweep": Sweep}, "" if command == "cv" else MORE_HELP)
-        return 0
     configs = _configs(argv, command)
     cv = configs.options["cv"]
     if command == "sweep":
@@ -361,8 +358,9 @@ def _plots(folder: Path, plots: dict[str, Callable[..., Any]], *args: Any) -> li
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("Plots need matplotlib: pip install -e '.[sweep]'")
+        print(f"Plots need matplotlib: {SWEEP_EXTRA}")
         return []
+
     written = []
     for name, plot in plots.items():
         with warnings.catch_warnings():
