@@ -617,7 +617,7 @@ def main(args: list[str] | None = None) -> None:
         command_ended(handlers if args is not None else None, folders.trainer, finished and failure is None)
         if failure is not None and not reported:
             print(f"error: {failure}", file=sys.stderr)
-            sys.exit(3)
+            sys.exit(getattr(failure, "exit_code", 3))
     if own is not None:
         raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 

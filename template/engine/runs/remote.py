@@ -326,31 +326,29 @@ class Lease:
                 self.remote.fs.rm_file(self.key)
 
     def _renew(self) -> None:
-        warned = False
-        while not self._stop.wait(LEASE_SECONDS / 6):
-            sent, left = time.monotonic(), self.renewed + FENCE - time.monotonic()
-            try:  # cancelled at the fence: a renewal that landed later could follow a taker's
-                done = self.remote.fs.pipe_file(self.key, self._body(), IfMatch=self.etag, timeout=max(left, 1e-3))
-                self.etag, self.renewed, warned = done["ETag"], sent, False
-            except Exception as err:
-                reason = one_line(err)[:200] or type(err).__name__
-                taken = isinstance(err, OSError) and err.errno == errno.EINVAL  # S3's 412: the lease has another ETag
-                if taken or time.monotonic() >= self.renewed + FENCE:
-                    what = "was taken by another start" if taken else f"was not renewed for {FENCE:g} s"
-                    self.remote.fence(LeaseLost(
-                        f"stopped writing to run {self.name!r}: its lease {self.url} {what} ({reason}); another start "
-                        f"may continue the run when the lease expires, {LEASE_SECONDS - FENCE:g} s later, or run the "
-                        "same command then"
-                    ))  # fmt: skip
-                    return
-                if not warned:
-                    warned = True
-                    print(
-                        f"warning: cannot renew the lease {self.url} ({reason}); trying again every "
-                        f"{LEASE_SECONDS / 6:g} s: the run stops writing there in {left:.0f} s unless one succeeds",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+        reason: str | None = None  # why the newest renewal failed; the first failure is reported
+        while not self._stop.wait(min(LEASE_SECONDS / 6, max(0.0, self.renewed + FENCE - time.monotonic()))):
+            sent, left, taken = time.monotonic(), self.renewed + FENCE - time.monotonic(), False
+            if left > 0:
+                try:  # cancelled at the fence: a renewal landing later could follow a taker's
+                    done = self.remote.fs.pipe_file(self.key, self._body(), IfMatch=self.etag, timeout=left)
+                    self.etag, self.renewed, reason = done["ETag"], sent, None
+                    continue
+                except Exception as err:
+                    taken = isinstance(err, OSError) and err.errno == errno.EINVAL  # S3's 412: another ETag there
+                    if reason is None:
+                        print(f"warning: cannot renew the lease {self.url} ({one_line(err)[:200]}); trying again every "
+                              f"{LEASE_SECONDS / 6:g} s, or the run stops writing there in {left:.0f} s",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                    reason = one_line(err)[:200] or type(err).__name__
+            if taken or time.monotonic() >= self.renewed + FENCE:
+                what = "was taken by another start" if taken else f"was not renewed for {FENCE:g} s"
+                self.remote.fence(LeaseLost(
+                    f"stopped writing to run {self.name!r}: its lease {self.url} {what} ({reason}); another start may "
+                    f"continue the run when the lease expires, {LEASE_SECONDS - FENCE:g} s later, or run the same "
+                    "command then"
+                ))  # fmt: skip
+                return
 
     def _body(self) -> bytes:
         body = {"host": socket.gethostname(), "pid": os.getpid(), "expires": time.time() + LEASE_SECONDS}
