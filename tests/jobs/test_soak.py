@@ -174,9 +174,10 @@ def _uninterrupted(factory: pytest.TempPathFactory, name: str) -> dict:
 
 
 def _final(name: str, work: Path, root: str | None, request: pytest.FixtureRequest) -> dict:
+    """The run's newest checkpoint: where the same command would continue from (on object storage, the one named by
+    the pointer, ``last.ckpt`` or an ``interrupted.ckpt`` written after the last step)."""
     if root is None:
         return _last(work)
-    store: S3 = request.getfixturevalue("s3")
-    assert store.fs().cat(f"{root[5:]}/lightning_logs/r/checkpoints/newest") == b"last.ckpt"
-    with store.fs().open(f"{root[5:]}/lightning_logs/r/checkpoints/last.ckpt", "rb") as f:
+    fs, folder = request.getfixturevalue("s3").fs(), f"{root[5:]}/lightning_logs/r/checkpoints"
+    with fs.open(f"{folder}/{fs.cat(f'{folder}/newest').decode()}", "rb") as f:
         return torch.load(f, weights_only=True)

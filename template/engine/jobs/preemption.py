@@ -29,7 +29,6 @@ from template.engine.runs.folder import checkpoint_dir
 
 _SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT}
 _handled: set[int] = set()  # the signals this process's fit stops on: the children it forks leave them to it
-_masks: list[Any] = []  # the forking thread's signal mask, while a fork leaves them blocked in the child
 
 
 class Preemption(Callback):
@@ -38,9 +37,8 @@ class Preemption(Callback):
     exits 128 + the signal (docs/reliability.md). The handlers only record the signal (Lightning's own saves inside
     the handler: mid-step, and under DDP in collectives the other ranks are not in). Several processes compare their
     signals every ``stride`` training batches, about ``check_interval`` seconds' worth. A signal once training ended
-    stops nothing: the command writes what a finished run writes and says so (``command_ended``); a second signal
-    while a run ends ends the process at once. Children forked meanwhile (DataLoader workers) leave the signals to
-    the run, which ends them: a signal to the whole process group is a stop like any other."""
+    stops nothing (``command_ended`` names it); a second one as the run ends ends the process at once. Children forked
+    meanwhile (DataLoader workers) leave the signals to the run, so a signal to the whole process group is one stop."""
 
     announcement = Mechanism(
         "preemption",
@@ -58,7 +56,7 @@ class Preemption(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Before Lightning installs its SIGTERM handler (at the sanity check): a signal while the run restores counts.
-        if stage != "fit" or _handled or threading.current_thread() is not threading.main_thread():
+        if stage != "fit" or signal.getsignal(signal.SIGTERM) == self._record or not _main_thread():
             return
         for signum in (signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT):
             if signum != signal.SIGINT or signal.getsignal(signum) is not signal.SIG_IGN:  # Ctrl-C ignored: nohup
@@ -68,6 +66,9 @@ class Preemption(Callback):
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_over_sigterm(trainer)
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._take_over_sigterm(trainer)  # the test after fit: a signal there stops nothing either
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_over_sigterm(trainer)
@@ -81,7 +82,7 @@ class Preemption(Callback):
     def _take_over_sigterm(self, trainer: Trainer) -> None:
         """Replace the SIGTERM handler Lightning installs after ``on_fit_start``, taking over a SIGTERM it recorded
         meanwhile. Lightning puts ours back when the run ends."""
-        if signal.SIGTERM not in _handled or threading.current_thread() is not threading.main_thread():
+        if signal.SIGTERM not in _handled or not _main_thread():
             return
         if trainer.received_sigterm and self._received is None and self._stopped is None:
             self._record(signal.SIGTERM, None)
@@ -90,8 +91,14 @@ class Preemption(Callback):
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
-        elif self._trained or self._stopped is not None:
-            _end_now(signum)
+        elif self._trained or self._stopped is not None:  # a second signal as the run ends: at once
+            rank_zero_info(
+                f"Stopping at once on a second {signal.Signals(signum).name}: the checkpoints are written, the run's "
+                "last logs, record or uploads may not be; run the same command to continue"
+            )
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(signal_exit(signum))  # without the interpreter's clean-up, which may be what is slow
         elif signum == signal.SIGINT:
             # A second Ctrl-C: stop now, through Lightning's KeyboardInterrupt shutdown (which kills child ranks).
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -147,10 +154,6 @@ class Preemption(Callback):
     def _after(self) -> str:
         return f" {time.monotonic() - self.signalled_at:.2f} s after the signal" if self.signalled_at else ""
 
-    def ended_late(self) -> str | None:
-        """The signal received once training ended (which stopped nothing), by name; else None."""
-        return signal.Signals(self._received).name if self._received and self._stopped is None else None
-
     def _agreed_signal(self, trainer: Trainer) -> int | None:
         """The signal any rank received, the same on every rank at the same safe point."""
         if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
@@ -175,65 +178,38 @@ def defer_signals(until_the_fit: bool = True) -> None:
 
 
 def command_ended(handlers: dict[int, Any] | None, trainer: Trainer | None, finished: bool) -> None:
-    """The command is over: a signal received after training ended (which stopped nothing) is named, if the command
-    ``finished`` writing the run. Then ``handlers`` are put back (a caller that goes on), or, for a program, the signals
-    are ignored while the interpreter exits: everything is written, and its exit code is decided."""
+    """The command is over: a signal received after training ended, which stopped nothing, is named if the command
+    ``finished`` writing the run. Then ``handlers`` come back (a caller that goes on, from the main thread), or, for a
+    program, the signals are ignored while the interpreter exits: everything is written, its exit code decided."""
     preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None) if trainer else None
-    if finished and preemption is not None and (name := preemption.ended_late()) is not None:
+    if finished and preemption is not None and preemption._received and preemption._stopped is None:
+        name = signal.Signals(preemption._received).name
         rank_zero_info(f"{name} came after training ended and stopped nothing: the run's files are all written")
-    if handlers is not None:
-        restore_signal_handlers(handlers)
-        _handled.clear()
-    elif threading.current_thread() is threading.main_thread():
-        for signum in _SIGNALS | _handled:
-            signal.signal(signum, signal.SIG_IGN)
+    if _main_thread():
+        for signum, handler in (handlers or dict.fromkeys(_SIGNALS | _handled, signal.SIG_IGN)).items():
+            if handler is not None and signal.getsignal(signum) != handler:  # None: installed outside Python
+                signal.signal(signum, handler)
+    _handled.clear()
     defer_signals(False)
 
 
-def _end_now(signum: int) -> None:
-    """A second signal while the run ends: the process ends at once, saying what it may leave, with 128 + the signal."""
-    rank_zero_info(
-        f"Stopping at once on a second {signal.Signals(signum).name}: the checkpoints are written, the run's last "
-        "logs, record or uploads may not be; run the same command to continue"
-    )
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(signal_exit(signum))  # without the interpreter's clean-up, which may be what is slow
-
-
 def signal_handlers() -> dict[int, Any]:
-    """The process's signal handlers now, for ``restore_signal_handlers`` when a command ends."""
+    """The process's signal handlers now, for ``command_ended`` to put back."""
     return {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
 
 
-def restore_signal_handlers(handlers: dict[int, Any]) -> None:
-    """Put back ``handlers`` (for callers that go on after a command, such as tests): from the main thread, and not
-    those installed outside Python (None)."""
-    if threading.current_thread() is threading.main_thread():
-        for signum, handler in handlers.items():
-            if handler is not None and signal.getsignal(signum) != handler:
-                signal.signal(signum, handler)
-
-
-def _before_fork() -> None:
-    # A child multiprocessing forks (a DataLoader worker) starts with the signals blocked: none can end it before
-    # ``_after_fork_in_child`` takes them (torch's worker would die of a SIGTERM from anyone but its parent).
-    caller = inspect.currentframe().f_back
-    if _handled and caller is not None and caller.f_globals.get("__name__", "").startswith("multiprocessing."):
-        _masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, _handled))
-
-
-def _after_fork_in_parent() -> None:
-    if _masks:
-        signal.pthread_sigmask(signal.SIG_SETMASK, _masks.pop())
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _after_fork_in_child() -> None:
-    if _masks:
-        _masks.clear()
+    # A child multiprocessing forks while a fit stops on the signals (a DataLoader worker) keeps them blocked, where
+    # torch's worker would die of a SIGTERM from anyone but its parent, and leaves them to a thread of its own.
+    caller = inspect.currentframe().f_back
+    if _handled and caller is not None and caller.f_globals.get("__name__", "").startswith("multiprocessing."):
+        signal.pthread_sigmask(signal.SIG_BLOCK, _handled)
         die_with_parent()  # no orphan, whatever ends the run
-        leave = (os.getppid(), frozenset(_handled))
-        threading.Thread(target=_leave_signals_to, args=leave, name="signals-to-parent", daemon=True).start()
+        threading.Thread(target=_leave_signals_to, args=(os.getppid(), frozenset(_handled)), daemon=True).start()
 
 
 def _leave_signals_to(parent: int, signals: frozenset[int]) -> None:
@@ -245,7 +221,7 @@ def _leave_signals_to(parent: int, signals: frozenset[int]) -> None:
             os._exit(0)
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _requeue_signal(trainer: Trainer) -> int:

@@ -108,8 +108,9 @@ class HangWatchdog(Callback):
 
     def __init__(self, timeout: PositiveFloat = 600.0, grace: NonNegativeFloat = 3.0) -> None:
         if not timeout <= _LONGEST:  # inf, or beyond the nanoseconds torch's process group counts in
-            raise ConfigError(f"watchdog.timeout={timeout:g} s is longer than a process group can wait; give at most "
-                              f"{_LONGEST:g} s (about 31 years), or e.g. 86400 for a day")  # fmt: skip
+            raise ConfigError(
+                f"watchdog.timeout={timeout:g} is longer than a process group can wait: at most {_LONGEST:g} s"
+            )
         self.timeout = timeout
         self.grace = grace
         self._dead: DeadRank | None = None  # in the launcher: the child rank whose death made it fail

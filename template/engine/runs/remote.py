@@ -1,7 +1,6 @@
 """Run folders on object storage (``trainer.default_root_dir: s3://bucket/prefix``, through fsspec): the run writes
 a local copy, whose files are uploaded whole, in order and in the background; the newest checkpoint is named by a
-pointer written after it; one start at a time holds the run's lease, an object created only if absent, and stops
-writing there before the lease could expire (a fence)."""
+pointer written after it; one start at a time holds the run's lease, an object created only if absent, fenced."""
 
 from __future__ import annotations
 
@@ -32,16 +31,11 @@ LEASE = "lease.json"
 LEASE_SECONDS = 60.0  # renewed every sixth of it; not renewed for three quarters of it, the holder writes no more
 FENCE = 0.75 * LEASE_SECONDS
 COPIES = "RUN_FOLDER_COPIES"  # JSON {url: local folder}: a sweep hands its trials the copy it reads them in
-# One retry layer, botocore's (s3fs's own is off): a request connects within 5 s and is answered within 15 s of being
-# sent, or is tried again, 3 times in all with backoff; about a minute at most (docs/reliability.md).
+# One retry layer, botocore's (s3fs's is off): 3 attempts, each connected within 5 s, answered within 15 s of sending.
 _S3_OPTIONS = {
     "use_listings_cache": False,
     "skip_instance_cache": True,
-    "config_kwargs": {
-        "connect_timeout": 5,
-        "read_timeout": 15,
-        "retries": {"mode": "standard", "total_max_attempts": 3},
-    },
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 15, "retries": {"total_max_attempts": 3}},
 }
 _SECRETS = ("key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _LIGHTNING_LINES = "lightning.pytorch.utilities.rank_zero"
@@ -275,12 +269,6 @@ class RemoteRoot:
         )
 
 
-class LeaseLost(DiskError):
-    """The run's lease was not renewed for most of its term, or another start took it: this start writes no more."""
-
-    exit_code = 75  # sysexits' EX_TEMPFAIL: the same command may continue the run later
-
-
 class Lease:
     """``<run folder>/lease.json``: created only if absent, renewed while the run lives, taken over once it expired
     (or at once when its holder on this host is dead). A holder whose renewals fail is warned once; unrenewed for
@@ -320,35 +308,41 @@ class Lease:
         threading.Thread(target=self._renew, name="run-lease", daemon=True).start()
 
     def release(self) -> None:
+        if self._stop.is_set():
+            return  # fenced: not one write more
         self._stop.set()
         with contextlib.suppress(Exception):
-            if not isinstance(self.remote.failure, LeaseLost) and self.remote.fs.info(self.key)["ETag"] == self.etag:
+            if self.remote.fs.info(self.key)["ETag"] == self.etag:
                 self.remote.fs.rm_file(self.key)
 
     def _renew(self) -> None:
-        reason: str | None = None  # why the newest renewal failed; the first failure is reported
+        reason = ""  # why the renewals fail, reported at the first
         while not self._stop.wait(min(LEASE_SECONDS / 6, max(0.0, self.renewed + FENCE - time.monotonic()))):
-            sent, left, taken = time.monotonic(), self.renewed + FENCE - time.monotonic(), False
-            if left > 0:
-                try:  # cancelled at the fence: a renewal landing later could follow a taker's
-                    done = self.remote.fs.pipe_file(self.key, self._body(), IfMatch=self.etag, timeout=left)
-                    self.etag, self.renewed, reason = done["ETag"], sent, None
-                    continue
-                except Exception as err:
-                    taken = isinstance(err, OSError) and err.errno == errno.EINVAL  # S3's 412: another ETag there
-                    if reason is None:
-                        print(f"warning: cannot renew the lease {self.url} ({one_line(err)[:200]}); trying again every "
-                              f"{LEASE_SECONDS / 6:g} s, or the run stops writing there in {left:.0f} s",
-                              file=sys.stderr, flush=True)  # fmt: skip
-                    reason = one_line(err)[:200] or type(err).__name__
-            if taken or time.monotonic() >= self.renewed + FENCE:
-                what = "was taken by another start" if taken else f"was not renewed for {FENCE:g} s"
-                self.remote.fence(LeaseLost(
-                    f"stopped writing to run {self.name!r}: its lease {self.url} {what} ({reason}); another start may "
-                    f"continue the run when the lease expires, {LEASE_SECONDS - FENCE:g} s later, or run the same "
-                    "command then"
-                ))  # fmt: skip
-                return
+            sent, left = time.monotonic(), self.renewed + FENCE - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError(reason)
+                # Cancelled at the fence: a renewal landing later could follow a taker's.
+                done = self.remote.fs.pipe_file(self.key, self._body(), IfMatch=self.etag, timeout=left)
+                self.etag, self.renewed, reason = done["ETag"], sent, ""
+            except Exception as err:
+                why = one_line(err)[:200] or type(err).__name__
+                if left <= 0 or isinstance(err, OSError) and err.errno == errno.EINVAL:  # S3's 412: another's ETag
+                    what = f"was not renewed for {FENCE:g} s" if left <= 0 else "was taken by another start"
+                    lost = DiskError(
+                        f"stopped writing to run {self.name!r}: its lease {self.url} {what} ({why}); another "
+                        f"start may continue the run when the lease expires, {LEASE_SECONDS - FENCE:g} s later, or "
+                        "run the same command then"
+                    )
+                    lost.exit_code = 75  # sysexits' EX_TEMPFAIL: the same command may continue the run later
+                    self._stop.set()
+                    return self.remote.fence(lost)
+                if not reason:
+                    print(
+                        f"warning: cannot renew the lease {self.url} ({why}); retrying for {left:.0f} s",
+                        file=sys.stderr,
+                    )
+                reason = why
 
     def _body(self) -> bytes:
         body = {"host": socket.gethostname(), "pid": os.getpid(), "expires": time.time() + LEASE_SECONDS}
