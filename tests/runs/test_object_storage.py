@@ -596,3 +596,30 @@ def test_a_store_that_stops_answering_ends_the_run_within_its_bound_and_the_next
     assert f"/checkpoints/{newest} (epoch 0, step {step})" in done.stderr + done.stdout, done.stderr[-3000:]
     _assert_exact(s3, root, uninterrupted)
     print(f"\nstore stalled: the run ended {seconds:.1f} s later (exit 75); a start gave up after {waited:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * WAIT)
+def test_a_signal_while_the_last_uploads_run_stops_nothing_and_a_second_ends_the_run_at_once(
+    s3: S3, tmp_path: Path, uninterrupted: dict
+) -> None:
+    # Uploads of last.ckpt take 30 s (tests/slow_uploads): training has ended and the command waits for them when a
+    # SIGTERM comes to the whole group. It stops nothing (the uploads go on); a second one ends the run at once, in one
+    # line, and the same command continues from the newest checkpoint whose upload completed.
+    root = f"{s3.bucket()}/runs"
+    env = _env(s3, tmp_path, SLOW_UPLOADS="last.ckpt", SLOW_UPLOADS_LOG=str(tmp_path / "uploads.txt"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "slow_uploads"), env["PYTHONPATH"]])
+    command = [*FIT, f"--trainer.default_root_dir={root}"]
+    proc = _start(command, tmp_path, env)
+    _wait_for(lambda: "Best checkpoint:" in (tmp_path / "run.log").read_text(), "the end of training")
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(3)
+    assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]  # the first stopped nothing
+    os.killpg(proc.pid, signal.SIGTERM)
+    code = finish(proc, 60)
+    log = (tmp_path / "run.log").read_text()
+    assert code == 143 and "Traceback" not in log, log[-3000:]
+    assert "Stopping at once on a second SIGTERM" in log and "uploads may not be" in log, log[-3000:]
+    done = _run(command, tmp_path, _env(s3, tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_exact(s3, root, uninterrupted)
