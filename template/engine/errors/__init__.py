@@ -36,9 +36,8 @@ class ConfigError(Exception):
 
 
 class DiskError(Exception):
-    """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix."""
-
-    exit_code = 3
+    """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix.
+    Exit code 3, or its ``exit_code`` (75: a run's lease lost)."""
 
 
 def one_line(message: object) -> str:

@@ -36,7 +36,7 @@ def verdict(
 ) -> tuple[int, str] | None:
     """The exit code and the one line for ``err``; None for an exception of the user's code (or a bug), whose
     traceback is the report. 2: the parser's refusal, a ConfigError, a value a library refused while the parser built
-    a class of the config, or one Lightning refused alone; 3: the disk (75: a lost lease); ``dead``: a dead rank's."""
+    a class of the config, or one Lightning refused alone; 3: the disk; ``dead``: its answer for a rank that died."""
     if isinstance(err, ArgumentError):
         mistake = errors.parser_error(err)
     elif (mistake := errors.config_error_in(err)) is None and (build := built(err, by_parser=True)) is not None:
@@ -44,7 +44,7 @@ def verdict(
     if mistake is not None:
         return 2, str(mistake)
     if (disk := errors.disk_error_in(err)) is not None:
-        return disk.exit_code, str(disk)
+        return getattr(disk, "exit_code", 3), str(disk)
     if dead is not None and (found := dead(err)) is not None:
         return found
     if _user_frame(err) is None and refused_by(err, package="lightning") is not None:
