@@ -84,8 +84,9 @@ class Preemption(Callback):
         meanwhile. Lightning puts ours back when the run ends."""
         if signal.SIGTERM not in _handled or not _main_thread():
             return
-        if trainer.received_sigterm and self._received is None and self._stopped is None:
-            self._record(signal.SIGTERM, None)
+        if trainer.received_sigterm and self._stopped is None:  # ours too (Lightning's handler calls it): once
+            self._received = self._received or signal.SIGTERM
+            stop_as_on_sigterm(trainer, stop=False)  # else Lightning stops after the next step, with no checkpoint
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
