@@ -420,21 +420,23 @@ def test_ctrl_c_to_the_group_while_ddp_starts_stops_at_the_sanity_check(tmp_path
     assert not _left(proc), "a rank outlived the job"
 
 
-def test_a_sigterm_lightning_catches_as_a_resumed_run_starts_stops_it_with_a_checkpoint(
-    straight: Path, tmp_path: Path
-) -> None:
-    # A resumed run has no sanity check: from Lightning's installing its handler to the run's taking SIGTERM over at
-    # the start of training, Lightning's handler records the signal (and calls the run's). Lightning then ended the run
-    # after the next step, exit 0, no checkpoint: the soak saw a run end at step 12 of 16 as if finished.
-    faults = {"first.yaml": "moment: train_batch, epoch: 0, batch: 4", "second.yaml": "moment: train_start"}
+def test_a_sigterm_lightning_catches_as_a_resumed_run_starts_stops_it_with_a_checkpoint(tmp_path: Path) -> None:
+    # A resumed run has no sanity check: from Lightning's installing its handler to the run's taking SIGTERM over as
+    # training starts, Lightning's handler records the signal too, and ended the run in the validation that a restart
+    # from a mid-epoch last.ckpt runs first: exit 0, no checkpoint (the soak saw a run end at step 12 of 16).
+    faults = {
+        "first.yaml": "moment: train_batch, epoch: 0, batch: 5, signal: SIGKILL",
+        "second.yaml": "moment: train_start",
+    }
     for name, fault in faults.items():
         (tmp_path / name).write_text(
             f"trainer:\n  callbacks:\n    - {{class_path: fault.Fault, init_args: {{{fault}}}}}\n"
         )
-    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--run.name=taken"]
-    for name, expected in (("first.yaml", 5), ("second.yaml", 6)):  # stopped at the first safe point after the start
-        (tmp_path / "fault.fired").unlink(missing_ok=True)
-        code = _finish(_start([*command, "--config", name], tmp_path, _env(tmp_path)))
-        assert _check_stopped(tmp_path, "taken", signal.SIGTERM, code)["global_step"] == expected
-    last = _continue(command, tmp_path, "taken", step=6)
-    assert last["global_step"] == 16 and _max_difference(_weights(straight), last) == 0.0
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--trainer.val_check_interval=0.5", "--run.name=taken"]
+    assert _finish(_start([*command, "--config", "first.yaml"], tmp_path, _env(tmp_path))) == -signal.SIGKILL
+    (tmp_path / "fault.fired").unlink()
+    code = _finish(_start([*command, "--config", "second.yaml"], tmp_path, _env(tmp_path)))
+    output = (tmp_path / "run.log").read_text()
+    assert "resuming from lightning_logs/taken/checkpoints/last.ckpt (epoch 0, step 4)" in output, output[-3000:]
+    assert _check_stopped(tmp_path, "taken", signal.SIGTERM, code)["global_step"] == 5  # the first safe point
+    assert _continue(command, tmp_path, "taken", step=5)["global_step"] == 16
