@@ -99,11 +99,11 @@ def _start(command: list[str], work: Path, env: dict[str, str]) -> tuple[int, st
 
 
 # Too long for any process group, under each strategy (single, ddp, fsdp); nan and negative the parser refuses.
+STRATEGIES = ("default", "ddp_cpu", "fsdp_cpu")
 WATCHDOG_VALUES = {
-    **{f"inf-{c}": ("inf", c, "watchdog.timeout=inf is longer than a process group can wait: at most 1e+09 s") for c in
-       ("default", "ddp_cpu", "fsdp_cpu")},
-    **{f"huge-{c}": ("1e300", c, "watchdog.timeout=1e+300 is longer than a process group can wait") for c in
-       ("default", "ddp_cpu", "fsdp_cpu")},
+    **{f"inf-{c}": ("inf", c, "watchdog.timeout=inf is longer than a process group can wait: give at most 1e+09 s")
+       for c in STRATEGIES},
+    **{f"huge-{c}": ("1e300", c, "watchdog.timeout=1e+300 is longer than a process group can wait") for c in STRATEGIES},
     "nan": ("nan", "ddp_cpu", "invalid value 'nan' for 'watchdog.timeout'"),
     "negative": ("-5", "ddp_cpu", "invalid value '-5' for 'watchdog.timeout'"),
 }  # fmt: skip

@@ -109,7 +109,7 @@ class HangWatchdog(Callback):
     def __init__(self, timeout: PositiveFloat = 600.0, grace: NonNegativeFloat = 3.0) -> None:
         if not timeout <= _LONGEST:  # inf, or beyond the nanoseconds torch's process group counts in
             raise ConfigError(
-                f"watchdog.timeout={timeout:g} is longer than a process group can wait: at most {_LONGEST:g} s"
+                f"watchdog.timeout={timeout:g} is longer than a process group can wait: give at most {_LONGEST:g} s"
             )
         self.timeout = timeout
         self.grace = grace
