@@ -103,7 +103,8 @@ STRATEGIES = ("default", "ddp_cpu", "fsdp_cpu")
 WATCHDOG_VALUES = {
     **{f"inf-{c}": ("inf", c, "watchdog.timeout=inf is longer than a process group can wait: give at most 1e+09 s")
        for c in STRATEGIES},
-    **{f"huge-{c}": ("1e300", c, "watchdog.timeout=1e+300 is longer than a process group can wait") for c in STRATEGIES},
+    **{f"huge-{c}": ("1e300", c, "watchdog.timeout=1e+300 is longer than a process group can wait")
+       for c in STRATEGIES},
     "nan": ("nan", "ddp_cpu", "invalid value 'nan' for 'watchdog.timeout'"),
     "negative": ("-5", "ddp_cpu", "invalid value '-5' for 'watchdog.timeout'"),
 }  # fmt: skip
