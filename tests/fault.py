@@ -16,6 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 # The moments a fault can be placed at, and the hook each one fires in.
 MOMENTS = (
+    "train_start",  # as training starts, Lightning's signal handlers installed (a resumed run has no sanity check)
     "train_batch",  # after training batch `batch` of epoch `epoch` (micro-batches count under accumulation)
     "sanity_batch",  # after the sanity check's validation batch `batch`
     "val_batch",  # after validation batch `batch` of the `nth` validation run of fit (0 = the first after training)
@@ -68,6 +69,10 @@ class Fault(Callback):
         if trainer.global_rank == min(self.ranks):
             self.once_file.write_text(f"{self.moment} step {trainer.global_step}\n")
         os.kill(os.getpid(), self.signum)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.moment == "train_start":
+            self._fire(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, out: Any, batch: Any, i: int) -> None:
         if self.moment == "train_batch" and (trainer.current_epoch, i) == (self.epoch, self.batch):

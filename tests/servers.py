@@ -1,6 +1,6 @@
 """Real servers for tests, on loopback only, each started in a temporary folder and stopped by the test: an S3 server
 (moto's, the S3 protocol over HTTP, as s3fs's own tests use it), a TCP relay in front of it that a test can cut (the
-store going away mid-run, its objects kept), and PostgreSQL."""
+store going away mid-run, its objects kept) or stall (connections held open, never answered), and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -63,12 +63,15 @@ class S3:
 
 class Relay:
     """A TCP relay on 127.0.0.1 to ``target`` (host, port): ``cut()`` closes it and every connection through it (the
-    store is gone), ``restore()`` listens again on the same port."""
+    store is gone), ``stall()`` holds every connection open and answers nothing (a store that hangs), ``restore()``
+    relays again on the same port. ``requests``: the first line of each HTTP request it relayed."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target, self.port = target, free_port()
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.stalled = False
+        self.requests: list[str] = []
         self.restore()
 
     @property
@@ -76,8 +79,13 @@ class Relay:
         return f"http://127.0.0.1:{self.port}"
 
     def restore(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=True)
-        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+        self.stalled = False
+        if getattr(self, "_listener", None) is None or self._listener.fileno() < 0:
+            self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=True)
+            threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def stall(self) -> None:
+        self.stalled = True
 
     def cut(self) -> None:
         with self._lock:
@@ -94,15 +102,19 @@ class Relay:
                 upstream = socket.create_connection(self.target, timeout=10)
             except OSError:
                 return
+            upstream.settimeout(None)
             with self._lock:
                 self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, log in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, log), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, log: bool) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
+                if self.stalled:
+                    continue  # read, never passed on: no answer comes
+                if log and data.split(b" ", 1)[0] in (b"GET", b"HEAD", b"PUT", b"POST", b"DELETE"):
+                    self.requests.append(data.split(b"\r\n", 1)[0].decode(errors="replace"))
                 sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)

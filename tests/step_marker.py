@@ -15,16 +15,24 @@ class StepMarker(Callback):
     ``val_delay`` > 0 also paces validation: ``sanity <step> <time>`` or ``val <step> <time>`` after each validation
     batch, then a sleep; ``end_delay`` > 0 writes ``end <step> <time>`` in ``on_train_end`` and sleeps there.
     ``exit_delay`` > 0 makes rank 0's exit slow: a sleep when the run stops, before Lightning writes the logs.
+    ``hold``: a file; while it exists, each step ends only when it is removed (a test holds the training thread).
     """
 
     def __init__(
-        self, path: str, delay: float = 0.0, val_delay: float = 0.0, end_delay: float = 0.0, exit_delay: float = 0.0
+        self,
+        path: str,
+        delay: float = 0.0,
+        val_delay: float = 0.0,
+        end_delay: float = 0.0,
+        exit_delay: float = 0.0,
+        hold: str | None = None,
     ) -> None:
         self.path = path
         self.delay = delay
         self.val_delay = val_delay
         self.end_delay = end_delay
         self.exit_delay = exit_delay
+        self.hold = hold
 
     def _mark(self, trainer: Trainer, *prefix: str) -> None:
         if trainer.is_global_zero:
@@ -34,6 +42,8 @@ class StepMarker(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self._mark(trainer)
         time.sleep(self.delay)
+        while self.hold and Path(self.hold).exists():
+            time.sleep(0.1)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if self.val_delay:

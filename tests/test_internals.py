@@ -7,6 +7,7 @@ silently switching a guarantee off (the hang watchdog, exact resume, preemption)
 from __future__ import annotations
 
 import copy
+import os
 import signal
 import subprocess
 import sys
@@ -197,6 +198,20 @@ def test_stop_as_on_sigterm_ends_the_run_with_sigterm_exception() -> None:
     with pytest.raises(SIGTERMException):
         trainer.fit(BoringModel())
     assert trainer.global_step == 2 and trainer.received_sigterm
+
+
+def test_a_sigterm_lightning_received_is_forgotten_when_taken_over() -> None:
+    """``received_sigterm = False``: a SIGTERM Lightning's handler recorded no longer ends the run after a step."""
+
+    class TakeOverAtStep2(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # noqa: ANN001, ANN002
+            if trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler, installed for the fit, records it
+                internals.stop_as_on_sigterm(trainer, stop=False)
+
+    trainer = _trainer(max_steps=5, callbacks=[TakeOverAtStep2()])
+    trainer.fit(BoringModel())
+    assert trainer.global_step == 5 and not trainer.received_sigterm
 
 
 def test_accumulating_and_validation_follows_are_what_lightning_does_after_the_batch() -> None:

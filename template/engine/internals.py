@@ -108,12 +108,13 @@ def cluster_environment(trainer: Trainer) -> Any:
     return _require(connector, "cluster_environment", "lightning", "preemption (SLURM requeue signal)")
 
 
-def stop_as_on_sigterm(trainer: Trainer) -> None:
+def stop_as_on_sigterm(trainer: Trainer, stop: bool = True) -> None:
     """End the run as Lightning does on SIGTERM: after this step, raising ``SIGTERMException`` (the job's exit code),
-    where ``trainer.should_stop`` would end it quietly and still validate."""
+    where ``trainer.should_stop`` would end it quietly and still validate. ``stop=False``: Lightning's own SIGTERM,
+    which would end the run after the next step without a checkpoint, is forgotten (the caller took it over)."""
     connector = _require(trainer, "_signal_connector", "lightning", "preemption (stopping on a signal)")
     _require(connector, "received_sigterm", "lightning", "preemption (stopping on a signal)")
-    connector.received_sigterm = True
+    connector.received_sigterm = stop
 
 
 def accumulating(trainer: Trainer) -> bool:

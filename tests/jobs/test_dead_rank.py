@@ -98,6 +98,28 @@ def _start(command: list[str], work: Path, env: dict[str, str]) -> tuple[int, st
     return code, (work / "run.log").read_text()
 
 
+# Too long for any process group, under each strategy (single, ddp, fsdp); nan and negative the parser refuses.
+STRATEGIES = ("default", "ddp_cpu", "fsdp_cpu")
+WATCHDOG_VALUES = {
+    **{f"inf-{c}": ("inf", c, "watchdog.timeout=inf is longer than a process group can wait: give at most 1e+09 s")
+       for c in STRATEGIES},
+    **{f"huge-{c}": ("1e300", c, "watchdog.timeout=1e+300 is longer than a process group can wait")
+       for c in STRATEGIES},
+    "nan": ("nan", "ddp_cpu", "invalid value 'nan' for 'watchdog.timeout'"),
+    "negative": ("-5", "ddp_cpu", "invalid value '-5' for 'watchdog.timeout'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", WATCHDOG_VALUES)
+def test_a_watchdog_timeout_no_process_group_can_wait_is_one_line(run_main, tmp_path: Path, case: str) -> None:  # noqa: ANN001
+    value, config, expected = WATCHDOG_VALUES[case]
+    done = run_main("fit", "--config", CONFIGS / f"{config}.yaml", f"--watchdog.timeout={value}")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert expected in errors[0], errors[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
 @pytest.mark.parametrize(

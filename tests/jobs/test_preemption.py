@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, PACKAGE, REPO, TESTS, cli_env, finish
+from tests.conftest import CONFIGS, PACKAGE, REPO, TESTS, cli_env, finish, session_processes
 
 pytestmark = pytest.mark.slow  # signals and restarts of running jobs, DDP and torchrun included
 
@@ -373,3 +373,70 @@ def test_sigterm_mid_epoch_under_ddp_stops_at_the_next_agreement_of_the_ranks(tm
     print(f"\nSIGTERM mid-epoch under DDP: signal after step {step}, checkpoint at step {stopped}, written "
           f"{written - signalled:.2f} s after the signal (steps of 0.25 s)")  # fmt: skip
     assert step <= stopped <= step + 8 and stopped < 40  # a stride of at most 2 s of steps, the next safe point
+
+
+# A signal to the whole process group, as SLURM's time limit, scancel or a terminal's Ctrl-C sends it: each process of
+# the job gets it, DataLoader workers and ranks still importing included (tests/jobs/test_soak.py: at random moments).
+
+
+def _left(proc: subprocess.Popen) -> list[int]:
+    """The processes of the job's session still there a few seconds after it ended (a SIGKILLed one is reaped late)."""
+    deadline = time.monotonic() + 10
+    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+def test_sigterm_to_the_group_with_dataloader_workers_stops_with_a_checkpoint(tmp_path: Path, persistent: bool) -> None:
+    # The workers used to die of it at once, and torch's SIGCHLD handler raised "DataLoader worker (pid N) is killed
+    # by signal: Terminated" in the middle of the checkpoint's write: exit 1, a traceback.
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--config", _marker(tmp_path, delay=0.25), "--run.name=group",
+               "--data.num_workers=2", f"--data.persistent_workers={persistent}"]  # fmt: skip
+    proc = _start(command, tmp_path, _env(tmp_path))
+    _wait_for_step(tmp_path / "steps.txt", 3, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    code = _finish(proc, 60)
+    stopped_at = _check_stopped(tmp_path, "group", signal.SIGTERM, code)["global_step"]
+    assert not _left(proc), "a DataLoader worker outlived the run"
+    assert _continue(command, tmp_path, "group", step=stopped_at)["global_step"] == 16
+
+
+def test_ctrl_c_to_the_group_while_ddp_starts_stops_at_the_sanity_check(tmp_path: Path) -> None:
+    # Rank 1 still imports when the signal comes: the signals wait until each rank's fit takes them (a rank launched
+    # meanwhile inherits the wait), and every rank stops at the first safe point together. It used to be rank 1's
+    # KeyboardInterrupt traceback, then Lightning's launcher SIGKILLing the job (exit 137).
+    command = [sys.executable, "-m", PACKAGE, *DDP, "--run.name=ddp-start"]
+    proc = _start(command, tmp_path, _env(tmp_path, MASTER_PORT=str(_free_port())))
+    deadline = time.monotonic() + WAIT
+    while "Initializing distributed: GLOBAL_RANK: 0" not in (tmp_path / "run.log").read_text():  # rank 1 launched
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    code = _finish(proc, WAIT)
+    output = (tmp_path / "run.log").read_text()
+    assert code == 130 and "Traceback" not in output, output[-4000:]
+    assert "Stopping on SIGINT in the sanity check" in output and "nothing trained yet" in output, output[-3000:]
+    assert not _left(proc), "a rank outlived the job"
+
+
+def test_a_sigterm_lightning_catches_as_a_resumed_run_starts_stops_it_with_a_checkpoint(tmp_path: Path) -> None:
+    # A resumed run has no sanity check: from Lightning's installing its handler to the run's taking SIGTERM over as
+    # training starts, Lightning's handler records the signal too, and ended the run in the validation that a restart
+    # from a mid-epoch last.ckpt runs first: exit 0, no checkpoint (the soak saw a run end at step 12 of 16).
+    faults = {
+        "first.yaml": "moment: train_batch, epoch: 0, batch: 5, signal: SIGKILL",
+        "second.yaml": "moment: train_start",
+    }
+    for name, fault in faults.items():
+        (tmp_path / name).write_text(
+            f"trainer:\n  callbacks:\n    - {{class_path: fault.Fault, init_args: {{{fault}}}}}\n"
+        )
+    command = [sys.executable, "-m", PACKAGE, *SINGLE, "--trainer.val_check_interval=0.5", "--run.name=taken"]
+    assert _finish(_start([*command, "--config", "first.yaml"], tmp_path, _env(tmp_path))) == -signal.SIGKILL
+    (tmp_path / "fault.fired").unlink()
+    code = _finish(_start([*command, "--config", "second.yaml"], tmp_path, _env(tmp_path)))
+    output = (tmp_path / "run.log").read_text()
+    assert "resuming from lightning_logs/taken/checkpoints/last.ckpt (epoch 0, step 4)" in output, output[-3000:]
+    assert _check_stopped(tmp_path, "taken", signal.SIGTERM, code)["global_step"] == 5  # the first safe point
+    assert _continue(command, tmp_path, "taken", step=5)["global_step"] == 16

@@ -378,15 +378,16 @@ def _run_cell(cell: Cell, work: Path, uninterrupted: Any, server: ForkServer) ->
     if cell.signal == "SIGKILL":
         # Under DDP the other ranks fail when a peer is killed; what matters is what the same command does next.
         assert first != 0, output[-3000:]
+    elif cell.moment in ("teardown", "test_after_fit"):  # training has ended: the run finishes, naming the signal
+        assert first == 0, f"exit code {first}, expected 0:\n{output[-3000:]}"
+        assert f"{cell.signal} came after training ended and stopped nothing" in output, output[-3000:]
+        assert "Traceback" not in output, output[-4000:]
     else:
         assert first == 128 + signum, f"exit code {first}, expected {128 + signum}:\n{output[-3000:]}"
         assert f"Stopping on {cell.signal}" in output, output[-3000:]
         assert "Traceback" not in output, output[-4000:]
-        if cell.moment == "test_after_fit":
-            assert "after the run ended: its files are written" in output, output[-3000:]
-        elif cell.moment != "teardown":  # after training ended nothing is left to continue
-            then = "the job is requeued" if cell.slurm else "run the same command to continue"
-            assert then in output, output[-3000:]
+        then = "the job is requeued" if cell.slurm else "run the same command to continue"
+        assert then in output, output[-3000:]
     if cell.slurm:
         assert (work / "scontrol.log").read_text() == "requeue 777\n"
 

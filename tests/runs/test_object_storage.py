@@ -69,10 +69,10 @@ def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _paced(tmp_path: Path, delay: float = 0.3) -> list[str]:
+def _paced(tmp_path: Path, delay: float = 0.3, hold: Path | None = None) -> list[str]:
     (tmp_path / "paced.yaml").write_text(
         f"trainer:\n  callbacks:\n    - class_path: step_marker.StepMarker\n"
-        f"      init_args: {{path: {tmp_path / 'steps.txt'}, delay: {delay}}}\n"
+        f"      init_args: {{path: {tmp_path / 'steps.txt'}, delay: {delay}{f', hold: {hold}' if hold else ''}}}\n"
     )
     return ["--config", str(tmp_path / "paced.yaml")]
 
@@ -514,3 +514,112 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _one_line_of(log: str, code: int, expected: str, exit_code: int) -> str:
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert exit_code == code and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert expected in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * WAIT)
+def test_a_start_cut_off_from_the_store_stops_writing_before_another_takes_the_run_over(
+    s3: S3, tmp_path: Path, uninterrupted: dict
+) -> None:
+    # The first start runs on another host (tests/other_host) through a relay. Cut off from the store while its
+    # training is held, it cannot renew its lease: it says so once, and 45 s after its last renewal it fences itself
+    # off the store, before a second start may take the lease over (when it expires, 60 s after that renewal). The
+    # relay restored and its training let go, the first writes nothing more; the second continued the run bit for bit.
+    host, port = s3.endpoint.removeprefix("http://").split(":")
+    relay = Relay((host, int(port)))
+    root, hold = f"{s3.bucket()}/runs", tmp_path / "hold"
+    run = f"{root[5:]}/lightning_logs/r"
+    command = [*FIT, f"--trainer.default_root_dir={root}", "--run.save_every_n_steps=3"]
+    env = _env(s3, tmp_path, endpoint=relay.endpoint, OTHER_HOST="elsewhere")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "other_host"), env["PYTHONPATH"]])
+    first = _start([*command, *_paced(tmp_path, hold=hold)], tmp_path, env)
+    _wait_for(lambda: s3.fs().exists(f"{run}/checkpoints/newest"), "the first upload")
+    hold.touch()  # the first's training waits at its next step's end
+    time.sleep(3)
+    relay.cut()
+    assert json.loads(s3.fs().cat(f"{run}/lease.json"))["host"] == "elsewhere"
+    second = _run(command, tmp_path, _env(s3, tmp_path))  # waits for the lease to expire, then continues the run
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_exact(s3, root, uninterrupted)
+    relay.restore()
+    seen = len(relay.requests)
+    hold.unlink()
+    code = finish(first, WAIT)
+    log = (tmp_path / "run.log").read_text()
+    _one_line_of(log, code, f"its lease {root}/lightning_logs/r/lease.json was not renewed for 45 s", 75)
+    assert len([line for line in log.splitlines() if line.startswith("warning: cannot renew the lease")]) == 1, log
+    assert relay.requests[seen:] == [], relay.requests[seen:]  # nothing written, nothing even read
+    _assert_exact(s3, root, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * WAIT)
+def test_a_store_that_stops_answering_ends_the_run_within_its_bound_and_the_next_start_continues(
+    s3: S3, tmp_path: Path, uninterrupted: dict
+) -> None:
+    # The relay holds every connection open and answers nothing: the run's lease is not renewed, and 45 s after its
+    # last renewal the run stops with one line; its newest uploaded checkpoint is whole. A start meanwhile gives up on
+    # the store after one request's bounded retries (3 attempts, each answered within 15 s); once the store answers
+    # again the same command continues bit for bit.
+    host, port = s3.endpoint.removeprefix("http://").split(":")
+    relay = Relay((host, int(port)))
+    root = f"{s3.bucket()}/runs"
+    pointer = f"{root[5:]}/lightning_logs/r/checkpoints/newest"
+    env = _env(s3, tmp_path, endpoint=relay.endpoint)
+    command = [*FIT, f"--trainer.default_root_dir={root}", "--run.save_every_n_steps=3"]
+    proc = _start([*command, *_paced(tmp_path)], tmp_path, env)
+    _wait_for(lambda: s3.fs().exists(pointer), "the first upload")
+    relay.stall()
+    stalled = time.monotonic()
+    code = finish(proc, WAIT)
+    seconds = time.monotonic() - stalled
+    log = (tmp_path / "run.log").read_text()
+    _one_line_of(log, code, "was not renewed for 45 s", 75)
+    assert seconds < 45 + 15, seconds
+    newest = s3.fs().cat(pointer).decode()
+    step = _checkpoint(s3, f"{root}/lightning_logs/r/checkpoints/{newest}")["global_step"]  # whole: it loads
+    started = time.monotonic()
+    stuck = _run(command, tmp_path, env)
+    waited = time.monotonic() - started
+    assert "check that the store is reachable" in _one_error(stuck, 3)
+    assert waited < 90, waited
+    relay.restore()
+    done = _run(command, tmp_path, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"/checkpoints/{newest} (epoch 0, step {step})" in done.stderr + done.stdout, done.stderr[-3000:]
+    _assert_exact(s3, root, uninterrupted)
+    print(f"\nstore stalled: the run ended {seconds:.1f} s later (exit 75); a start gave up after {waited:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * WAIT)
+def test_a_signal_while_the_last_uploads_run_stops_nothing_and_a_second_ends_the_run_at_once(
+    s3: S3, tmp_path: Path, uninterrupted: dict
+) -> None:
+    # Uploads of last.ckpt take 30 s (tests/slow_uploads): training has ended and the command waits for them when a
+    # SIGTERM comes to the whole group. It stops nothing (the uploads go on); a second one ends the run at once, in one
+    # line, and the same command continues from the newest checkpoint whose upload completed.
+    root = f"{s3.bucket()}/runs"
+    env = _env(s3, tmp_path, SLOW_UPLOADS="last.ckpt", SLOW_UPLOADS_LOG=str(tmp_path / "uploads.txt"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "slow_uploads"), env["PYTHONPATH"]])
+    command = [*FIT, f"--trainer.default_root_dir={root}"]
+    proc = _start(command, tmp_path, env)
+    _wait_for(lambda: "Best checkpoint:" in (tmp_path / "run.log").read_text(), "the end of training")
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(3)
+    assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]  # the first stopped nothing
+    os.killpg(proc.pid, signal.SIGTERM)
+    code = finish(proc, 60)
+    log = (tmp_path / "run.log").read_text()
+    assert code == 143 and "Traceback" not in log, log[-3000:]
+    assert "Stopping at once on a second SIGTERM" in log and "uploads may not be" in log, log[-3000:]
+    done = _run(command, tmp_path, _env(s3, tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_exact(s3, root, uninterrupted)

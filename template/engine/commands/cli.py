@@ -36,7 +36,7 @@ import template
 from template.engine import errors, internals
 from template.engine.commands import COMMANDS, PROGRAM, preflight
 from template.engine.errors import ConfigError, blame
-from template.engine.jobs.preemption import Preemption, restore_signal_handlers, signal_handlers
+from template.engine.jobs.preemption import Preemption, command_ended, defer_signals, signal_handlers
 from template.engine.jobs.processes import HangWatchdog, dead_rank, join_restarted_group
 from template.engine.logs import loggers as tracking
 from template.engine.logs.console import MonitorCheck, ThroughputLog, TimedProgressBar, first_lines
@@ -510,6 +510,8 @@ def callbacks(
         added += ema_callbacks(**vars(ema)) if ema is not None else []
         # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.
         preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
+        if not run.preemption:
+            defer_signals(False)  # the signals are Lightning's
         added += [*preemption, Provenance(), *periodic_checkpoint(run)]
     return {"callbacks": [*configured, *added]} if added else {}
 
@@ -627,14 +629,17 @@ def main(args: list[str] | None = None) -> None:
     (``blame.verdict``), or as the user's exception with its traceback."""
     argv = sys.argv[1:] if args is None else list(args)
     handlers = signal_handlers()
+    if argv[:1] == ["fit"]:
+        defer_signals()  # a signal while the fit starts stops it at its first safe point
     folders = RunFolders()
     own: BaseException | None = None
-    reported = False
+    reported = finished = False
     try:
         with quiet_libraries():
             command = COMMANDS.get(argv[0]) if argv else None
             if command is None or command.runs is None:
                 build_cli(argv, folders=folders)
+                finished = True
             elif code := pkgutil.resolve_name(command.runs)(argv[1:]):  # a command of its own, without LightningCLI
                 sys.exit(code)
     except Exception as err:
@@ -644,12 +649,11 @@ def main(args: list[str] | None = None) -> None:
             raise
     finally:
         failure = folders.release()  # on object storage: the run's last uploads, waited for here
-        if args is not None:
-            # Called from Python, which goes on; a program keeps them, to report a signal during its shutdown.
-            restore_signal_handlers(handlers)
+        # Called from Python, which goes on, the handlers come back; a program ignores signals while it exits.
+        command_ended(handlers if args is not None else None, folders.trainer, finished and failure is None)
         if failure is not None and not reported:
             print(f"error: {failure}", file=sys.stderr)
-            sys.exit(3)
+            sys.exit(getattr(failure, "exit_code", 3))
     if own is not None:
         raise own  # the user's, unwrapped from the parser's message: its traceback is theirs
 

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,23 @@ def full_traceback() -> bool:
     return os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0")
 
 
+def signal_exit(signum: int) -> int:
+    """The exit code of a process a signal ended, as a shell reports it: 128 + the signal (143 for SIGTERM)."""
+    return 128 + signum
+
+
+def exit_signal(code: object) -> str | None:
+    """The name of the signal ``signal_exit`` made ``code`` from (SIGTERM for 143); None for another code."""
+    return signal.Signals(code - 128).name if isinstance(code, int) and code - 128 in signal.valid_signals() else None
+
+
 class ConfigError(Exception):
     """A mistake in the user's configuration or input; the message names the bad value and the fix."""
 
 
 class DiskError(Exception):
-    """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix."""
+    """A file of the run could not be written (disk full, quota, read-only, permission); the message names the fix.
+    Exit code 3, or its ``exit_code`` (75: a run's lease lost)."""
 
 
 def one_line(message: object) -> str:

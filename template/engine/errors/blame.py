@@ -44,7 +44,7 @@ def verdict(
     if mistake is not None:
         return 2, str(mistake)
     if (disk := errors.disk_error_in(err)) is not None:
-        return 3, str(disk)
+        return getattr(disk, "exit_code", 3), str(disk)
     if dead is not None and (found := dead(err)) is not None:
         return found
     if _user_frame(err) is None and refused_by(err, package="lightning") is not None:

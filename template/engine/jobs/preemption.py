@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import sys
@@ -18,12 +19,16 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from template.engine.errors import signal_exit
 from template.engine.internals import cluster_environment, stop_as_on_sigterm
-from template.engine.jobs.processes import requeue_slurm_job
+from template.engine.jobs.processes import die_with_parent, requeue_slurm_job
 from template.engine.logs.console import Mechanism
 from template.engine.resume.states import exact_resume_point
 from template.engine.runs import INTERRUPTED
 from template.engine.runs.folder import checkpoint_dir
+
+_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT}
+_handled: set[int] = set()  # the signals this process's fit stops on: the children it forks leave them to it
 
 
 class Preemption(Callback):
@@ -31,7 +36,9 @@ class Preemption(Callback):
     next point from which the same command continues exactly, rank zero asks SLURM to requeue the job, and the run
     exits 128 + the signal (docs/reliability.md). The handlers only record the signal (Lightning's own saves inside
     the handler: mid-step, and under DDP in collectives the other ranks are not in). Several processes compare their
-    signals every ``stride`` training batches, about ``check_interval`` seconds' worth."""
+    signals every ``stride`` training batches, about ``check_interval`` seconds' worth. A signal once training ended
+    stops nothing (``command_ended`` names it); a second one as the run ends ends the process at once. Children forked
+    meanwhile (DataLoader workers) leave the signals to the run, so a signal to the whole process group is one stop."""
 
     announcement = Mechanism(
         "preemption",
@@ -44,24 +51,24 @@ class Preemption(Callback):
         self._restart_stride()
         self._received: int | None = None  # the signal this process recorded
         self._stopped: int | None = None  # the signal the run stopped on
+        self._trained = False  # past the last safe point: a signal now stops nothing
         self.signalled_at: float | None = None
-        self._before: dict[int, Any] = {}  # the handlers this run replaced
-        self._active = False  # between setup and the end of fit the handlers record; after it they end the process
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Before Lightning installs its SIGTERM handler (at the sanity check): a signal while the run restores counts.
-        if stage != "fit" or self._active or threading.current_thread() is not threading.main_thread():
+        if stage != "fit" or signal.getsignal(signal.SIGTERM) == self._record or not _main_thread():
             return
-        self._active = True
         for signum in (signal.SIGTERM, _requeue_signal(trainer), signal.SIGINT):
-            previous = signal.getsignal(signum)
-            if signum == signal.SIGINT and previous is signal.SIG_IGN:
-                continue  # started with Ctrl-C ignored (nohup, a background job): keep it so
-            self._before.setdefault(signum, previous)
-            signal.signal(signum, self._record)
+            if signum != signal.SIGINT or signal.getsignal(signum) is not signal.SIG_IGN:  # Ctrl-C ignored: nohup
+                signal.signal(signum, self._record)
+                _handled.add(signum)
+        defer_signals(False)  # one sent while the command started is recorded now
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_over_sigterm(trainer)
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._take_over_sigterm(trainer)  # the test after fit: a signal there stops nothing either
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_over_sigterm(trainer)
@@ -75,21 +82,28 @@ class Preemption(Callback):
     def _take_over_sigterm(self, trainer: Trainer) -> None:
         """Replace the SIGTERM handler Lightning installs after ``on_fit_start``, taking over a SIGTERM it recorded
         meanwhile. Lightning puts ours back when the run ends."""
-        if not self._active:  # set up in the main thread, which runs these hooks too
+        if signal.SIGTERM not in _handled or not _main_thread():
             return
-        if trainer.received_sigterm and self._received is None and self._stopped is None:
-            self._record(signal.SIGTERM, None)
+        if trainer.received_sigterm and self._stopped is None:  # ours too (Lightning's handler calls it): once
+            self._received = self._received or signal.SIGTERM
+            stop_as_on_sigterm(trainer, stop=False)  # else Lightning stops after the next step, with no checkpoint
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if not self._active:
-            _after_the_run(signum, frame, self._before.get(signum, signal.SIG_DFL))
-        elif signum == signal.SIGINT and self._received is not None:
-            # A second Ctrl-C: stop now, through Lightning's KeyboardInterrupt shutdown (which kills child ranks).
-            signal.signal(signal.SIGINT, self._before.get(signal.SIGINT, signal.default_int_handler))
-            raise KeyboardInterrupt
-        elif self._received is None:
+        if self._received is None:
             self._received, self.signalled_at = signum, time.monotonic()
+        elif self._trained or self._stopped is not None:  # a second signal as the run ends: at once
+            rank_zero_info(
+                f"Stopping at once on a second {signal.Signals(signum).name}: the checkpoints are written, the run's "
+                "last logs, record or uploads may not be; run the same command to continue"
+            )
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(signal_exit(signum))  # without the interpreter's clean-up, which may be what is slow
+        elif signum == signal.SIGINT:
+            # A second Ctrl-C: stop now, through Lightning's KeyboardInterrupt shutdown (which kills child ranks).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
 
     # The safe points: every rank is in the same hook, and a checkpoint written there resumes exactly.
 
@@ -110,28 +124,16 @@ class Preemption(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After the last step: the checkpoint holds the finished run, from which the same command trains no more.
         self._stop_if_signalled(trainer, raise_now=True)
-
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._stop_after_training()
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            try:
-                self._stop_after_training()
-            finally:
-                self._active = False  # the run is over: a signal now ends the process (``_after_the_run``)
+        self._trained = True
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # A failing run records signals until the command ends: the SIGTERM a launcher sends the surviving ranks must
         # not replace the failure's own line with a stop's.
-        if not isinstance(exception, SIGTERMException):
-            return
-        if self._stopped is not None:
+        if isinstance(exception, SIGTERMException) and self._stopped is not None:
             # Lightning's SIGTERMException exits 0. A rank Lightning's launcher started exits 0 too: the launcher
             # reports the job's code, and would kill the job the moment a child exits non-zero, before its logs.
             launched = trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
-            exception.code = 0 if launched else 128 + self._stopped
-        self._active = False
+            exception.code = 0 if launched else signal_exit(self._stopped)
 
     def _stop_if_signalled(self, trainer: Trainer, raise_now: bool, save: bool = True) -> None:
         if self._stopped is not None or (signum := self._agreed_signal(trainer)) is None:
@@ -148,17 +150,7 @@ class Preemption(Callback):
         rank_zero_info(f"Stopping on {name}{done}; {then}")
         stop_as_on_sigterm(trainer)
         if raise_now:
-            raise SIGTERMException(128 + signum)
-
-    def _stop_after_training(self) -> None:
-        """A signal after the last safe point: the checkpoints are written, and no collective is safe (a rank may be
-        past its last one); the run still ends non-zero."""
-        if self._stopped is not None or self._received is None or not self._active:
-            return
-        self._stopped = signum = self._received
-        name = signal.Signals(signum).name
-        rank_zero_info(f"Stopping on {name} after training ended{self._after()}: its checkpoints are written")
-        raise SIGTERMException(128 + signum)
+            raise SIGTERMException(signal_exit(signum))
 
     def _after(self) -> str:
         return f" {time.monotonic() - self.signalled_at:.2f} s after the signal" if self.signalled_at else ""
@@ -179,32 +171,58 @@ class Preemption(Callback):
         return signum or None
 
 
-def _after_the_run(signum: int, frame: FrameType | None, before: Any) -> None:
-    """A signal after fit ended: a handler of the caller's own (a notebook, a framework) decides; otherwise the process
-    ends as the signal's default would, but with a line and exit code 128 + the signal."""
-    if before is signal.SIG_IGN:
-        return
-    if callable(before) and before is not signal.default_int_handler:
-        before(signum, frame)
-        return
-    rank_zero_info(f"Stopping on {signal.Signals(signum).name} after the run ended: its files are written")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(128 + signum)  # what the default action does, without the interpreter's clean-up
+def defer_signals(until_the_fit: bool = True) -> None:
+    """While a fit starts the preemption signals wait (blocked), and so do those of the ranks a launcher starts
+    meanwhile, through their imports: the fit's Preemption takes them at its setup, where one that waits stops the fit
+    at its first safe point. ``until_the_fit=False``: delivered now (a fit without Preemption, a command's end)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK if until_the_fit else signal.SIG_UNBLOCK, _SIGNALS)
+
+
+def command_ended(handlers: dict[int, Any] | None, trainer: Trainer | None, finished: bool) -> None:
+    """The command is over: a signal received after training ended, which stopped nothing, is named if the command
+    ``finished`` writing the run. Then ``handlers`` come back (a caller that goes on, from the main thread), or, for a
+    program, the signals are ignored while the interpreter exits: everything is written, its exit code decided."""
+    preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None) if trainer else None
+    if finished and preemption is not None and preemption._received and preemption._stopped is None:
+        name = signal.Signals(preemption._received).name
+        rank_zero_info(f"{name} came after training ended and stopped nothing: the run's files are all written")
+    if _main_thread():
+        for signum, handler in (handlers or dict.fromkeys(_SIGNALS | _handled, signal.SIG_IGN)).items():
+            if handler is not None and signal.getsignal(signum) != handler:  # None: installed outside Python
+                signal.signal(signum, handler)
+    _handled.clear()
+    defer_signals(False)
 
 
 def signal_handlers() -> dict[int, Any]:
-    """The process's signal handlers now, for ``restore_signal_handlers`` when a command ends."""
+    """The process's signal handlers now, for ``command_ended`` to put back."""
     return {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
 
 
-def restore_signal_handlers(handlers: dict[int, Any]) -> None:
-    """Put back ``handlers`` (for callers that go on after a command, such as tests): from the main thread, and not
-    those installed outside Python (None)."""
-    if threading.current_thread() is threading.main_thread():
-        for signum, handler in handlers.items():
-            if handler is not None and signal.getsignal(signum) != handler:
-                signal.signal(signum, handler)
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    # A child multiprocessing forks while a fit stops on the signals (a DataLoader worker) keeps them blocked, where
+    # torch's worker would die of a SIGTERM from anyone but its parent, and leaves them to a thread of its own.
+    caller = inspect.currentframe().f_back
+    if _handled and caller is not None and caller.f_globals.get("__name__", "").startswith("multiprocessing."):
+        signal.pthread_sigmask(signal.SIG_BLOCK, _handled)
+        die_with_parent()  # no orphan, whatever ends the run
+        threading.Thread(target=_leave_signals_to, args=(os.getppid(), frozenset(_handled)), daemon=True).start()
+
+
+def _leave_signals_to(parent: int, signals: frozenset[int]) -> None:
+    """In a child forked while the run handles ``signals``: the run, which received them too, ends the child when it
+    stops; the parent's own SIGTERM (how torch and multiprocessing end a worker) ends it now, as torch's does."""
+    while True:
+        info = signal.sigwaitinfo(signals)
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _requeue_signal(trainer: Trainer) -> int:

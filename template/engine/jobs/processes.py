@@ -26,7 +26,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from template.engine import internals
-from template.engine.errors import chain, full_traceback
+from template.engine.errors import ConfigError, chain, full_traceback, signal_exit
 from template.engine.logs.console import Mechanism
 from template.engine.runs.folder import checkpoint_dir, newest
 
@@ -36,6 +36,7 @@ _LOST_PEER = re.compile(
     r"NCCL communicator was aborted",
     re.IGNORECASE,
 )
+_LONGEST = 1e9  # seconds: torch keeps a process group's timeout in int64 nanoseconds (up to 9.2e9 s)
 _CAUSES = {
     "SIGKILL": " (out of memory, or kill -9 by a user or the scheduler)",
     "SIGSEGV": " (a crash in native code: a library, an extension or a driver)",
@@ -106,6 +107,10 @@ class HangWatchdog(Callback):
     )
 
     def __init__(self, timeout: PositiveFloat = 600.0, grace: NonNegativeFloat = 3.0) -> None:
+        if not timeout <= _LONGEST:  # inf, or beyond the nanoseconds torch's process group counts in
+            raise ConfigError(
+                f"watchdog.timeout={timeout:g} is longer than a process group can wait: give at most {_LONGEST:g} s"
+            )
         self.timeout = timeout
         self.grace = grace
         self._dead: DeadRank | None = None  # in the launcher: the child rank whose death made it fail
@@ -230,7 +235,7 @@ class DeadRank:
         """128 + the signal, as a shell reports a process killed by one; a rank that exited passes its code on."""
         if self.returncode is None:
             return 1
-        return 128 - self.returncode if self.returncode < 0 else self.returncode
+        return signal_exit(-self.returncode) if self.returncode < 0 else self.returncode
 
     def line(self) -> str:
         """Which rank died and how, and where the same command continues from."""

@@ -192,9 +192,9 @@ class RunFolders:
         with contextlib.suppress(OSError):
             os.utime(created.parent, ns=self.created.pop(created))  # the parent's times, as before
 
-    def release(self) -> str | None:
+    def release(self) -> ConfigError | DiskError | None:
         """Unlock the run's folder: the command has ended (the process ending does the same). On object storage, its
-        files are uploaded first: the line saying why they could not be, or None."""
+        files are uploaded first: the error saying why they could not be, or None."""
         if self.lock is not None:
             self.lock.release()
         for store in self.read:
@@ -206,7 +206,7 @@ class RunFolders:
                 self.remote.sync(self.claimed)
                 self.remote.flush()
         except (ConfigError, DiskError) as err:
-            return str(err)
+            return err
         finally:
             self.remote.close()
         return None

@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from template.engine.errors import one_line
+from template.engine.errors import exit_signal, one_line
 from template.engine.runs import PROVENANCE, read_starts, settled
 from template.engine.store import atomic_write
 from template.engine.strategies.devices import process_devices
@@ -80,10 +79,8 @@ def exit_status(exception: BaseException | None) -> dict[str, Any]:
         return {"status": "finished"}
     if isinstance(exception, KeyboardInterrupt):
         return {"status": "interrupted", "signal": "SIGINT"}
-    if isinstance(exception, SIGTERMException):
-        # The project's Preemption callback sets the code to 128 + the signal it stopped on (SIGTERM, SIGUSR1).
-        code = exception.code if isinstance(exception.code, int) and exception.code > 128 else 128 + signal.SIGTERM
-        return {"status": "interrupted", "signal": signal.Signals(code - 128).name}
+    if isinstance(exception, SIGTERMException):  # Preemption's code names the signal it stopped on; Lightning's, none
+        return {"status": "interrupted", "signal": exit_signal(exception.code) or "SIGTERM"}
     return {"status": "failed", "error": f"{type(exception).__name__}: {one_line(str(exception))}"[:500]}
 
 

@@ -1,15 +1,18 @@
 """Run folders on object storage (``trainer.default_root_dir: s3://bucket/prefix``, through fsspec): the run writes
 a local copy, whose files are uploaded whole, in order and in the background; the newest checkpoint is named by a
-pointer written after it; one start at a time holds the run's lease, an object created only if absent."""
+pointer written after it; one start at a time holds the run's lease, an object created only if absent, fenced."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -25,16 +28,16 @@ from template.engine.runs import CHECKPOINTS, may_be_running
 
 POINTER = "newest"  # in checkpoints/: the name of the newest checkpoint whose upload completed
 LEASE = "lease.json"
-LEASE_SECONDS = 60.0
+LEASE_SECONDS = 60.0  # renewed every sixth of it; not renewed for three quarters of it, the holder writes no more
+FENCE = 0.75 * LEASE_SECONDS
 COPIES = "RUN_FOLDER_COPIES"  # JSON {url: local folder}: a sweep hands its trials the copy it reads them in
-# Bounded waits on a store that does not answer; s3fs's own defaults retry for minutes.
+# One retry layer, botocore's (s3fs's is off): 3 attempts, each connected within 5 s, answered within 15 s of sending.
 _S3_OPTIONS = {
     "use_listings_cache": False,
     "skip_instance_cache": True,
-    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 15, "retries": {"total_max_attempts": 3}},
 }
 _SECRETS = ("key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-_TRIES = 5
 _LIGHTNING_LINES = "lightning.pytorch.utilities.rank_zero"
 
 
@@ -53,9 +56,9 @@ class RemoteRoot:
                 f"run.storage_options holds {', '.join(secret)}: credentials are not written into a run's config; "
                 "give them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or ~/.aws/credentials"
             )
-        options = {**(_S3_OPTIONS if get_protocol(self.url) in ("s3", "s3a") else {}), **(storage_options or {})}
+        s3 = get_protocol(self.url) in ("s3", "s3a")
         try:
-            self.fs, self.root = url_to_fs(self.url, **options)
+            self.fs, self.root = url_to_fs(self.url, **{**(_S3_OPTIONS if s3 else {}), **(storage_options or {})})
         except ImportError as err:
             package = next((n for n in ("s3fs", "gcsfs", "adlfs") if n in str(err)), err.name or str(err))
             raise ConfigError(f"{option}={self.url} needs {package}: pip install -e '.[s3]'") from None
@@ -64,6 +67,8 @@ class RemoteRoot:
                 f"{option}={self.url}: {one_line(err)}; use a local folder or object storage fsspec knows "
                 "(s3:// with the s3 extra, tested; gs:// with gcsfs, az:// with adlfs)"
             ) from None
+        if s3:
+            self.fs.retries = 1
         self._call(lambda: self.fs.ls(self.root.split("/")[0], detail=False), "reach the bucket")
         copies = json.loads(os.environ.get(COPIES, "{}"))
         self.local = Path(copies.get(self.url) or tempfile.mkdtemp(prefix="run-folder-copy-"))
@@ -205,30 +210,34 @@ class RemoteRoot:
                 if action == "rm":
                     deferred.add(path)
                 elif path.exists():  # else removed before its turn
-                    self._retry(self.fs.put_file, str(path), self.key(path))
+                    self._write(self.fs.put_file, str(path), self.key(path))
                     if action == "newest":
-                        self._retry(self.fs.pipe_file, self.key(path.parent / POINTER), path.name.encode())
+                        self._write(self.fs.pipe_file, self.key(path.parent / POINTER), path.name.encode())
                         pointed = path.name
                 for old in [old for old in deferred if old.name != pointed]:
                     deferred.discard(old)
                     with contextlib.suppress(FileNotFoundError):
-                        self._retry(self.fs.rm_file, self.key(old))
+                        self._write(self.fs.rm_file, self.key(old))
             except Exception as err:  # the training thread raises it at its next push or flush
                 with self._changed:
-                    self.failure = self._error(err, f"write {self.url_of(path)}")
+                    self.failure = self.failure or self._error(err, f"write {self.url_of(path)}")
             finally:
                 with self._changed:
                     self._busy = False
                     self._changed.notify_all()
 
-    def _retry(self, call: Any, *args: Any) -> Any:
-        for attempt in range(_TRIES):
-            try:
-                return call(*args)
-            except Exception as err:
-                if attempt == _TRIES - 1 or isinstance(err, (FileNotFoundError, PermissionError)):
-                    raise
-                time.sleep(min(0.5 * 2**attempt, 8.0))
+    def _write(self, call: Any, *args: Any) -> None:
+        """One write to the store, unless the run's lease has fenced it off."""
+        self._raise()
+        call(*args)
+
+    def fence(self, lost: DiskError) -> None:
+        """Write nothing more to the store (the lease was not renewed, or taken over): requests under way are
+        cancelled, and the training thread raises ``lost`` at its next push or flush."""
+        with self._changed:
+            self.failure = lost
+            self._changed.notify_all()
+        self.fs.loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks()])
 
     def _raise(self) -> None:
         if self.failure is not None:
@@ -262,17 +271,21 @@ class RemoteRoot:
 
 class Lease:
     """``<run folder>/lease.json``: created only if absent, renewed while the run lives, taken over once it expired
-    (or at once when its holder on this host is dead)."""
+    (or at once when its holder on this host is dead). A holder whose renewals fail is warned once; unrenewed for
+    ``FENCE`` seconds it fences its run off the store, a quarter of the term before a taker may take over."""
 
     def __init__(self, remote: RemoteRoot, folder: Path, name: str) -> None:
         self.remote, self.key, self.name = remote, remote.key(folder / LEASE), name
+        self.url = remote.url_of(folder / LEASE)
         self.etag: str | None = None
+        self.renewed = 0.0  # when the newest write of the lease the store accepted was sent (time.monotonic)
         self._stop = threading.Event()
 
     def acquire(self) -> None:
         fs = self.remote.fs
         self._refuse_a_store_without_conditional_writes()
         while True:
+            sent = time.monotonic()
             with contextlib.suppress(FileExistsError):
                 fs.pipe_file(self.key, self._body(), mode="create")
                 break
@@ -287,23 +300,49 @@ class Lease:
                 time.sleep(min(left, LEASE_SECONDS) + 1)  # another host's: renewed if its holder lives
                 if fs.info(self.key)["ETag"] != etag:
                     raise self._taken(held, LEASE_SECONDS)
+            sent = time.monotonic()
             with contextlib.suppress(OSError):
                 fs.pipe_file(self.key, self._body(), IfMatch=etag)  # one taker wins; the others see another ETag
                 break
-        self.etag = fs.info(self.key)["ETag"]
+        self.etag, self.renewed = fs.info(self.key)["ETag"], sent
         threading.Thread(target=self._renew, name="run-lease", daemon=True).start()
 
     def release(self) -> None:
+        if self._stop.is_set():
+            return  # fenced: not one write more
         self._stop.set()
         with contextlib.suppress(Exception):
             if self.remote.fs.info(self.key)["ETag"] == self.etag:
                 self.remote.fs.rm_file(self.key)
 
     def _renew(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 4):
-            with contextlib.suppress(Exception):
-                self.remote.fs.pipe_file(self.key, self._body(), IfMatch=self.etag)
-                self.etag = self.remote.fs.info(self.key)["ETag"]
+        reason = ""  # why the renewals fail, reported at the first
+        while not self._stop.wait(min(LEASE_SECONDS / 6, max(0.0, self.renewed + FENCE - time.monotonic()))):
+            sent, left = time.monotonic(), self.renewed + FENCE - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError(reason)
+                # Cancelled at the fence: a renewal landing later could follow a taker's.
+                done = self.remote.fs.pipe_file(self.key, self._body(), IfMatch=self.etag, timeout=left)
+                self.etag, self.renewed, reason = done["ETag"], sent, ""
+            except Exception as err:
+                why = one_line(err)[:200] or type(err).__name__
+                if left <= 0 or isinstance(err, OSError) and err.errno == errno.EINVAL:  # S3's 412: another's ETag
+                    what = f"was not renewed for {FENCE:g} s" if left <= 0 else "was taken by another start"
+                    lost = DiskError(
+                        f"stopped writing to run {self.name!r}: its lease {self.url} {what} ({why}); another "
+                        f"start may continue the run when the lease expires, {LEASE_SECONDS - FENCE:g} s later, or "
+                        "run the same command then"
+                    )
+                    lost.exit_code = 75  # sysexits' EX_TEMPFAIL: the same command may continue the run later
+                    self._stop.set()
+                    return self.remote.fence(lost)
+                if not reason:
+                    print(
+                        f"warning: cannot renew the lease {self.url} ({why}); retrying for {left:.0f} s",
+                        file=sys.stderr,
+                    )
+                reason = why
 
     def _body(self) -> bytes:
         body = {"host": socket.gethostname(), "pid": os.getpid(), "expires": time.time() + LEASE_SECONDS}
@@ -312,7 +351,7 @@ class Lease:
     def _taken(self, held: dict[str, Any], left: float) -> ConfigError:
         return ConfigError(
             f"run {self.name!r} is already running on {held.get('host')} (PID {held.get('pid')}; its lease "
-            f"{self.remote.url}/.../{LEASE} expires {left:.0f} s after that process stops renewing it); wait for it "
+            f"{self.url} expires {left:.0f} s after that process stops renewing it); wait for it "
             "to end or stop it, or start this one under another --run.name"
         )
 

@@ -34,7 +34,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from template.engine import internals
-from template.engine.errors import ConfigError
+from template.engine.errors import ConfigError, signal_exit
 from template.engine.jobs.processes import requeue_slurm_job
 from template.engine.runs import read_starts
 from template.engine.runs.provenance import write_starts
@@ -133,7 +133,7 @@ class Driver:
         print(f"{self.title}: stopped on {name}; run the same command to continue", file=sys.stderr)
         if name == "SIGUSR1" and os.environ.get("SLURM_JOB_ID") and (failure := requeue_slurm_job()) is not None:
             print(f"{self.title}: {failure}; submit the same command again to continue", file=sys.stderr)
-        return 128 + self.stop_signal
+        return signal_exit(self.stop_signal)
 
     def _start_next(self, slot: str) -> None:
         trials = self._trials()

@@ -140,7 +140,7 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
     root, remote = trainer.get("default_root_dir") or ".", None
     on_store = is_remote(sweep.storage) and get_protocol(sweep.storage) in fsspec.available_protocols()
-    if on_store or (is_remote(root) and (sweep.storage is None or "://" not in sweep.storage)):
+    if on_store or (is_remote(root) and not is_remote(sweep.storage)):
         raise ConfigError(
             f"sweep.storage={sweep.storage}: a journal file needs appends and locks, which object storage (where "
             f"{'it' if on_store else 'trainer.default_root_dir=' + root} is) does not have; keep the study in a "
@@ -189,7 +189,7 @@ def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage |
     """The study's storage for ``sweep.storage``; None for an embedded journal not yet made (made after every check)."""
     if url is None:
         return _journal(folder / JOURNAL) if (folder / JOURNAL).is_file() else None
-    if "://" not in url:
+    if not is_remote(url):  # a journal file; else a database URL
         if not Path(url).parent.is_dir():
             raise ConfigError(f"sweep.storage={url!r}: folder {Path(url).parent} does not exist; create it first")
         return _journal(Path(url))
