@@ -88,11 +88,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             os.fsync(fd)
             if tmp is None:  # unnamed: only a kill between this link and the rename leaves it behind
                 tmp = _temporary_name(path)
-                directory = os.open(path.parent, os.O_RDONLY)
-                try:  # a src_dir_fd makes Python call linkat(), which follows the /proc link
-                    os.link(f"/proc/self/fd/{fd}", tmp, src_dir_fd=directory, follow_symlinks=True)
-                finally:
-                    os.close(directory)
+                # Any src_dir_fd makes Python call linkat(), which follows the /proc link (absolute: no fd is read).
+                os.link(f"/proc/self/fd/{fd}", tmp, src_dir_fd=fd, follow_symlinks=True)
             os.replace(tmp, path)  # before the close, which releases the temporary's lock
     except BaseException as err:
         if isinstance(err, OSError) and (fd is None or err.filename in (None, tmp)):
@@ -150,13 +147,9 @@ def remove_stale_temporaries(path: str | os.PathLike) -> None:
     prefix = f".{path.name}.{_HOST}."
     with contextlib.suppress(FileNotFoundError):
         for candidate in [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp")]:
-            with contextlib.suppress(FileNotFoundError, BlockingIOError):  # locked: its writer lives
-                fd = os.open(candidate, os.O_RDONLY)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    candidate.unlink()
-                finally:
-                    os.close(fd)
+            with contextlib.suppress(FileNotFoundError, BlockingIOError), candidate.open("rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: locked, its writer lives
+                candidate.unlink()
 
 
 def _temporary_name(path: Path) -> str:
