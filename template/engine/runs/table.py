@@ -51,10 +51,9 @@ def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
     monitor = config.get("checkpoint.monitor")
     values = _column(metrics, monitor) if monitor else []
     best = (max if config.get("checkpoint.mode", "min") == "max" else min)(values, default=0.0)
-    ended = [s for s in starts if isinstance(s.get("steps"), int)]
     # An evaluation's folder, <the run of its checkpoint>/<stage>/version_<n>, records no start: it trains nothing.
     stage = folder.parent.name if folder.parent.name in STAGES and not starts else None
-    if ended:
+    if ended := [s for s in starts if isinstance(s.get("steps"), int)]:
         # What the trainer counted when the run last stopped: epochs completed (Lightning's current_epoch) and steps.
         epochs, steps = str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
     else:
@@ -186,14 +185,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from template.engine.runs.remote import RemoteRoot  # object storage: its runs' files read in a local copy, no torch
 
-    remote = RemoteRoot(args.root, option="runs ROOT")
-    try:
-        root = remote.fetch_all(
-            lambda name: name in (PROVENANCE, CONFIG, METRICS) or name.startswith("config.restart-")
-        )
+    with contextlib.closing(RemoteRoot(args.root, option="runs ROOT")) as remote:
+        root = remote.fetch_all(lambda n: n in (PROVENANCE, CONFIG, METRICS) or n.startswith("config.restart-"))
         _print(root, args)
-    finally:
-        remote.close()
 
 
 def _print(root: Path, args: argparse.Namespace) -> None:
@@ -205,24 +199,22 @@ def _print(root: Path, args: argparse.Namespace) -> None:
         print(f"No runs under '{base}' (a run folder holds config.yaml, metrics.csv or provenance.json)")
         return
     header, rows = table(runs, args.columns, args.where)
-    if args.csv != "-":
-        names = [key.replace("init_args.", "") for key in header]  # a config key by its last part, where that is unique
-        last = [name.rsplit(".", 1)[-1] for name in names]
-        short = [name if last.count(part) > 1 else part for name, part in zip(names, last, strict=True)]
-        if args.wide:  # whole names and values, however wide
-            print(format_table(header, rows, max_width=10**6))
-        else:
-            print(format_table(short, rows, width=shutil.get_terminal_size().columns if sys.stdout.isatty() else None))
-    if not args.csv:
-        return
     text = io.StringIO(newline="")
     csv.writer(text).writerows([header, *rows])
     if args.csv == "-":
         print(text.getvalue(), end="")
         return
-    from template.engine.store import atomic_write  # imports torch, which reading the runs does not need
+    names = [key.replace("init_args.", "") for key in header]  # a config key by its last part, where that is unique
+    last = [name.rsplit(".", 1)[-1] for name in names]
+    short = [name if last.count(part) > 1 else part for name, part in zip(names, last, strict=True)]
+    if args.wide:  # whole names and values, however wide
+        print(format_table(header, rows, max_width=10**6))
+    else:
+        print(format_table(short, rows, width=shutil.get_terminal_size().columns if sys.stdout.isatty() else None))
+    if args.csv:
+        from template.engine.store import atomic_write  # imports torch, which reading the runs does not need
 
-    # Atomically: a kill or a full disk leaves the previous file (a failure of the disk is one line, exit 3).
-    with disk_errors(args.csv, kept="the table is printed above", option="--csv"):
-        atomic_write(args.csv, lambda f: f.write(text.getvalue().encode()))
-    print(f"Wrote {args.csv}")
+        # Atomically: a kill or a full disk leaves the previous file (a failure of the disk is one line, exit 3).
+        with disk_errors(args.csv, kept="the table is printed above", option="--csv"):
+            atomic_write(args.csv, lambda f: f.write(text.getvalue().encode()))
+        print(f"Wrote {args.csv}")
