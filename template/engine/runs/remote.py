@@ -338,10 +338,7 @@ class Lease:
                     self._stop.set()
                     return self.remote.fence(lost)
                 if not reason:
-                    print(
-                        f"warning: cannot renew the lease {self.url} ({why}); retrying for {left:.0f} s",
-                        file=sys.stderr,
-                    )
+                    sys.stderr.write(f"warning: cannot renew the lease {self.url} ({why}); retrying for {left:.0f} s\n")
                 reason = why
 
     def _body(self) -> bytes:
@@ -359,11 +356,10 @@ class Lease:
         probe = f"{self.key}.probe-{uuid.uuid4().hex}"
         fs = self.remote.fs
         try:
+            fs.pipe_file(probe, b"", mode="create")  # a new name: the second create of it is refused, if honoured
             fs.pipe_file(probe, b"", mode="create")
-            try:
-                fs.pipe_file(probe, b"", mode="create")
-            except FileExistsError:
-                return
+        except FileExistsError:
+            return
         finally:
             with contextlib.suppress(Exception):
                 fs.rm_file(probe)
