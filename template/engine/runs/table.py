@@ -28,10 +28,7 @@ from template.engine.errors import ConfigError, disk_errors
 from template.engine.logs import METRICS, read_metrics
 from template.engine.runs import CHECKPOINTS, CONFIG, INTERRUPTED, LOGS, PROVENANCE, configs, read_starts
 
-# Keys that differ between runs without saying anything about how they differ.
-_IGNORED_KEYS = {"ckpt_path", "run.name"}
 HEADER = ["run", "status", "best", "epochs", "steps", "duration", "samples/s"]
-STAGES = ("validate", "test", "predict")  # an evaluation logs in <the run of its checkpoint>/<stage>/version_<n>
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -52,7 +49,7 @@ def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
     values = _column(metrics, monitor) if monitor else []
     best = (max if config.get("checkpoint.mode", "min") == "max" else min)(values, default=0.0)
     # An evaluation's folder, <the run of its checkpoint>/<stage>/version_<n>, records no start: it trains nothing.
-    stage = folder.parent.name if folder.parent.name in STAGES and not starts else None
+    stage = folder.parent.name if folder.parent.name in ("validate", "test", "predict") and not starts else None
     if ended := [s for s in starts if isinstance(s.get("steps"), int)]:
         # What the trainer counted when the run last stopped: epochs completed (Lightning's current_epoch) and steps.
         epochs, steps = str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
@@ -137,7 +134,8 @@ def table(
             raise ConfigError(f"--where {condition!r}: give COLUMN=PATTERN, e.g. --where status=finished")
         keys = _matching(name, sorted({key for row in rows for key in row}), "--where")
         rows = [row for row in rows if any(fnmatch.fnmatchcase(row.get(key, "-"), pattern) for key in keys)]
-    keys = sorted({key for row in rows for key in row} - {*HEADER, *_IGNORED_KEYS})
+    # ckpt_path and run.name differ between runs without saying anything about how they differ.
+    keys = sorted({key for row in rows for key in row} - {*HEADER, "ckpt_path", "run.name"})
     if columns is not None:
         header = [key for name in columns.split(",") for key in _matching(name.strip(), [*HEADER, *keys], "--columns")]
     else:
