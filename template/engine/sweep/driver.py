@@ -21,8 +21,6 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from multiprocessing.context import BaseContext
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +38,10 @@ from template.engine.runs import read_starts
 from template.engine.runs.provenance import write_starts
 from template.engine.store import Lock, atomic_write, try_lock
 from template.engine.strategies.devices import gpu_count
-from template.engine.sweep import start_fork_server, trial_environment
+from template.engine.sweep import start_fork_server
 from template.engine.sweep.folds import FOLD
 from template.engine.sweep.options import Configs, Sweep
-from template.engine.sweep.reporter import MEMORY_FRACTION, NOT_LOGGED, REPORTER, REPORTS
+from template.engine.sweep.reporter import NOT_LOGGED, REPORTER, REPORTS
 
 STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a dead worker
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -58,7 +56,7 @@ class Running:
     trial: Trial
     folder: str  # in the study's folder
     fold: int | None  # None: one fit on the DataModule's own split, reported at each validation
-    process: BaseProcess
+    process: multiprocessing.process.BaseProcess
     reported: set[int]
     started: float = field(default_factory=time.monotonic)
     heartbeat: float = field(default_factory=time.monotonic)
@@ -81,20 +79,17 @@ class Driver:
     folder: Path
     slots: list[str]
     gpus: dict[str, str]
-    env: dict[str, str]  # for the trials, over this process's (run() makes it the whole of theirs)
+    env: dict[str, str]  # the trials' whole environment
     title: str  # its console lines' start
     folds: int = 0
     running: dict[str, Running] = field(default_factory=dict)
     failures_in_a_row: int = 0
     stop_signal: int | None = None
-    starts: BaseContext | None = None  # how trial processes start: run() picks it
+    starts: multiprocessing.context.BaseContext | None = None  # how trial processes start: run() picks it
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        self.env = {**trial_environment(), **self.env}
-        if self.sweep.gpu_memory_fraction is not None:
-            self.env[MEMORY_FRACTION] = str(self.sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
         fresh = start_fork_server()  # running already: started as the command started
         self.starts = multiprocessing.get_context("spawn" if fresh else "forkserver")
         if fresh:

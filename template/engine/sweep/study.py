@@ -36,11 +36,11 @@ from template.engine.runs import run_dir
 from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.runs.table import format_table
 from template.engine.store import atomic_write
-from template.engine.sweep import CV, SWEEP, Sweep
+from template.engine.sweep import CV, SWEEP, Sweep, trial_environment
 from template.engine.sweep.driver import FOLD_SCORES, Driver, claim_slots, slot_gpus, who
 from template.engine.sweep.folds import FOLD, PROTOCOL, log
 from template.engine.sweep.options import Configs, search_space
-from template.engine.sweep.reporter import REPORTER, REPORTS
+from template.engine.sweep.reporter import MEMORY_FRACTION, REPORTER, REPORTS
 from template.engine.sweep.sampler import TrialSeeded
 
 JOURNAL, TABLE, FOLDS, BEST = "study.journal", "trials.csv", "folds.csv", "best.yaml"
@@ -49,7 +49,16 @@ SPACE = "space"  # the study's user attribute that records sweep.space
 
 def run(argv: list[str], command: str) -> int:
     """Run or continue the sweep, or the cross-validation (``cv``: a study whose trials are the folds)."""
-    configs = _configs(argv, command)
+    try:
+        configs = Configs(argv, CV if command == "cv" else SWEEP)
+    except ConfigError as err:
+        if command == "sweep" and "required: sweep.name, sweep.space" in str(err):
+            raise ConfigError(
+                "no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml"
+            ) from None
+        if command == "sweep" and re.match(r"unknown .*(--|')cv\.", str(err)):  # --cv.workers: sweep.workers
+            raise ConfigError(f"{str(err).split(';')[0]}; in a sweep, cv takes folds and stratify only") from None
+        raise
     cv = configs.options["cv"]
     if command == "sweep":
         sweep = configs.options["sweep"]
@@ -60,25 +69,11 @@ def run(argv: list[str], command: str) -> int:
     stems = "-".join(Path(path).stem for path in config_files.split(argv)[0]) or "cv"
     name = cv.name or f"{stems}-cv{cv.folds}-{hashlib.sha256(json.dumps(base).encode()).hexdigest()[:8]}"
     print(f"CV {name}: {split}", flush=True)
-    folds = list(range(cv.folds))
-    space = {FOLD: {"type": "categorical", "choices": folds}}
+    space = {FOLD: {"type": "categorical", "choices": list(range(cv.folds))}}
     # A failed fold would fail again: the cv stops, and the same command reruns it (the only fold no trial has).
     sweep = Sweep(name, space, cv.folds, cv.workers, storage=cv.storage, objective=cv.objective, pruner="none")
-    sweep.max_failures, sweep.enqueue, sweep.direction = 1, [{FOLD: k} for k in folds], cv.direction
+    sweep.max_failures, sweep.enqueue, sweep.direction = 1, [{FOLD: k} for k in range(cv.folds)], cv.direction
     return run_study(sweep, configs, cv=True)
-
-
-def _configs(argv: list[str], command: str) -> Configs:
-    try:
-        return Configs(argv, CV if command == "cv" else SWEEP)
-    except ConfigError as err:
-        if command == "sweep" and "required: sweep.name, sweep.space" in str(err):
-            raise ConfigError(
-                "no sweep section; give a config with `sweep:` (name, space, ...), e.g. configs/sweep.yaml"
-            ) from None
-        if command == "sweep" and re.match(r"unknown .*(--|')cv\.", str(err)):  # --cv.workers: sweep.workers
-            raise ConfigError(f"{str(err).split(';')[0]}; in a sweep, cv takes folds and stratify only") from None
-        raise
 
 
 def prepare(configs: Configs, k: int, stratify: bool) -> tuple[str, dict[str, Any]]:
@@ -138,7 +133,7 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
         configs.complete(values, what="sweep.enqueue: ")
     trainer = base.get("trainer", {})
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
-    root, remote = trainer.get("default_root_dir") or ".", None
+    root = trainer.get("default_root_dir") or "."
     on_store = is_remote(sweep.storage) and get_protocol(sweep.storage) in fsspec.available_protocols()
     if on_store or (is_remote(root) and not is_remote(sweep.storage)):
         raise ConfigError(
@@ -146,10 +141,9 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
             f"{'it' if on_store else 'trainer.default_root_dir=' + root} is) does not have; keep the study in a "
             "database the machines share, e.g. sweep.storage: postgresql://user@host/db"
         )
-    if is_remote(root):  # trial folders on object storage: written in a local copy the trials share
-        remote = RemoteRoot(root, base.get("run", {}).get("storage_options"))
-        root = remote.local
-    folder = run_dir(root, sweep.name)
+    # Trial folders on object storage are written in a local copy the trials share.
+    remote = RemoteRoot(root, base.get("run", {}).get("storage_options")) if is_remote(root) else None
+    folder = run_dir(remote.local if remote else root, sweep.name)
     storage = open_storage(sweep.storage, folder)
     if storage is not None:
         check_space(storage, sweep.name, space, folds)
@@ -157,7 +151,9 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
     storage = storage or _journal(folder / JOURNAL)
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    env = {}  # for the trials
+    env = trial_environment()  # the trials'
+    if sweep.gpu_memory_fraction is not None:
+        env[MEMORY_FRACTION] = str(sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
     if remote is not None:
         remote.pull(folder, recursive=False)
         env[COPIES] = json.dumps({remote.url: str(remote.local)})
