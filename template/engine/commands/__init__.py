@@ -68,13 +68,11 @@ def main(args: list[str] | None = None) -> None:
         print(f"error: {said}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
     if name == "runs" or name in ("sweep", "cv") and not {"-h", "--help"}.isdisjoint(argv):
-        try:
-            code = pkgutil.resolve_name(COMMANDS[name].runs)(argv[1:])
+        try:  # each prints what it was asked for, with no exit code of its own
+            pkgutil.resolve_name(COMMANDS[name].runs)(argv[1:])
         except (ConfigError, DiskError) as err:  # these commands' only failures, said as cli.main says them
             print(f"error: {err}", file=sys.stderr)
             sys.exit(3 if isinstance(err, DiskError) else 2)
-        if code:
-            sys.exit(code)
         return None
     from template.engine.commands.cli import main as run
 

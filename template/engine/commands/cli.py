@@ -104,13 +104,8 @@ class DescribedTrainer(Trainer):
 class ArgumentParser(LightningArgumentParser):
     """Dumps a config without validating it again: the parse validated it, ``settle`` adds only the engine's values."""
 
-    @override
-    def dump(self, *args: Any, skip_validation: bool = True, **kwargs: Any) -> str:
-        return super().dump(*args, skip_validation=skip_validation, **kwargs)
-
-    @override
-    def save(self, *args: Any, skip_validation: bool = True, **kwargs: Any) -> None:
-        super().save(*args, skip_validation=skip_validation, **kwargs)
+    dump = functools.partialmethod(LightningArgumentParser.dump, skip_validation=True)
+    save = functools.partialmethod(LightningArgumentParser.save, skip_validation=True)
 
 
 class CLI(LightningCLI):
@@ -138,7 +133,6 @@ class CLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        self.sections = parser.groups  # trainer, model, data: `trainer:` in a config file must be a mapping
         self.parsers = [*getattr(self, "parsers", []), parser]  # one per subcommand built (or the only one)
         for option, callback in CALLBACK_SECTIONS.items():
             parser.add_lightning_class_args(callback, option)
@@ -185,7 +179,7 @@ class CLI(LightningCLI):
                 expanded = self.parsers[-1].get_defaults(skip_validation=True)
                 defaults, parse = _own_defaults(_of_subcommand(self.config), expanded)
         config = _of_subcommand(self.config)
-        preflight.check_sections(files, self.sections, config)
+        preflight.check_sections(files, self.parsers[-1].groups, config)  # trainer, model, data: each a mapping
         self.fit_run = settle(config, self.config.get("subcommand"), self.folders)
         print_config.print_config_if_requested(parser, self.config)
 
@@ -211,7 +205,7 @@ class CLI(LightningCLI):
         remote = self.folders.remote
         local = {"default_root_dir": str(remote.local)} if remote is not None else {}  # its local copy
         kwargs = {
-            **loggers(trainer_config, run, trackers or [], config.get("trackers") or [], remote, subcommand, config),
+            **loggers(trainer_config, run, trackers or [], config, remote, subcommand),
             **plugins(trainer_config, remote),
             **strategy(trainer_config, config.get("trainer.strategy"), watchdog),
             **callbacks(trainer_config, subcommand, run, config.get("checkpoint.monitor"), config.get("ema"), trackers),
@@ -405,24 +399,18 @@ def _attribute(name: str, data: LightningDataModule) -> Any:
 
 
 def loggers(
-    trainer_config: dict[str, Any],
-    run: Run,
-    trackers: list[Any],
-    configs: list[Any],
-    remote: RemoteRoot | None = None,
-    subcommand: str = "fit",
-    config: Any = None,
+    trainer_config: dict[str, Any], run: Run, trackers: list[Any], config: Any, remote: RemoteRoot | None, stage: str
 ) -> dict[str, Any]:
     """The ``logger`` argument: CSV (first: its folder is the run's), TensorBoard, then the trackers (a restarted
     run's continuing their tracker runs); {} keeps the config's. On object storage (``remote``) each save uploads.
-    validate, test and predict log beside the run of their checkpoint, in ``<subcommand>/version_<n>``."""
-    trackers = tracking.resume_trackers(trackers, configs, run.directory)
+    validate, test and predict (``stage``) log beside the run of their checkpoint, in ``<stage>/version_<n>``."""
+    trackers = tracking.resume_trackers(trackers, config.get("trackers") or [], run.directory)
     logger = trainer_config.get("logger")
     if logger in (None, True):
         root = str(remote.local) if remote is not None else trainer_config.get("default_root_dir")
-        if subcommand != "fit":
+        if stage != "fit":
             root = str(evaluations(root, config.get("ckpt_path")))
-        made = run_loggers(root, LOGS if subcommand == "fit" else subcommand, run.name, run.resume, run.resume_step)
+        made = run_loggers(root, LOGS if stage == "fit" else stage, run.name, run.resume, run.resume_step)
         for each in made if remote is not None and run.directory is not None else []:
             each.after_save = functools.partial(remote.sync, run.directory)
         return {"logger": [*made, *trackers]}

@@ -30,7 +30,6 @@ from template.engine.store import atomic_torch_save
 DEFAULT_PREFIX = "net."
 # DataParallel's and DistributedDataParallel's "module.", torch.compile's "_orig_mod." (also around a submodule).
 _WRAPPERS = re.compile(r"^(?:(?:module|_orig_mod)\.)+|(?<=\.)_orig_mod\.")
-_NESTED_KEYS = ("state_dict", "model_state_dict", "model")
 # ONNX Runtime's output must match PyTorch's within |ort - torch| <= ATOL + RTOL * |torch| (fp32).
 ATOL, RTOL = 1e-4, 1e-3
 
@@ -44,7 +43,7 @@ def extract_state_dict(checkpoint: Any, prefix: str = DEFAULT_PREFIX, source: st
             raise ConfigError(f"no weights under prefix '{prefix}' in {source} (it has {found}); pass --prefix")
     else:
         state = checkpoint
-        for key in _NESTED_KEYS:
+        for key in ("state_dict", "model_state_dict", "model"):  # the keys plain-PyTorch scripts save it under
             if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
                 state = state[key]
                 break
