@@ -236,13 +236,11 @@ def _set_epoch(loader: object, epoch: int) -> None:
 
 
 def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | None]:
-    """The explicit generator of each loader's sampler; None where sampling draws from the global torch RNG."""
-    generators = []
-    for loader in loaders:
-        sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
-        generator = getattr(sampler, "generator", None)
-        generators.append(generator if isinstance(generator, torch.Generator) else None)
-    return generators
+    """The explicit generator of each loader's sampler; None where sampling draws from the global torch RNG (a user's
+    batch sampler may have no ``sampler`` inside)."""
+    samplers = [getattr(loader.batch_sampler, "sampler", loader.sampler) for loader in loaders]
+    generators = [getattr(sampler, "generator", None) for sampler in samplers]
+    return [generator if isinstance(generator, torch.Generator) else None for generator in generators]
 
 
 def _recorded(sampler: Any) -> dict[str, Any] | None:
