@@ -164,7 +164,6 @@ class RNGStateCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = self._train_loaders()
         restored, self._restored = self._restored, None
-        samplers = None if restored is None else restored["samplers"]
         trainer.callback_metrics.update({} if restored is None else restored.get("monitors", {}))
         if trainer.fit_loop.resumed_on_epoch_end and pl_module.automatic_optimization:
             # Written in an epoch's on_train_epoch_end, before Lightning stepped plateau schedulers there: the resumed
@@ -177,24 +176,23 @@ class RNGStateCheckpoint(Callback):
         stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
         replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
-        if (stateful or replayed) and restored is not None:
-            # Making the restored iterator drew from the global generators, which the uninterrupted run did earlier.
+        # At an epoch's end Lightning built the next iterator before setting the samplers' epoch: it is built again.
+        at_epoch_end = trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end
+        if at_epoch_end:
+            for loader in loaders:
+                _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+        if restored is not None and (stateful or replayed or at_epoch_end):
+            # Making the restored (at an epoch's end: the next) iterator drew from the global generators, which the
+            # uninterrupted run did earlier, from the checkpoint's states.
             _restore(restored)
-            if trainer.fit_loop.restarted_mid_epoch or replayed:
-                samplers = None  # its place in the epoch is back, sampler generator included
-        rebuild = False
-        for generator, saved in zip(_sampler_generators(loaders), samplers or [], strict=False):
+        # A place in the epoch put back brings its sampler generator with it.
+        put_back = (stateful and trainer.fit_loop.restarted_mid_epoch) or replayed
+        samplers = [] if restored is None or put_back else restored["samplers"]
+        rebuild = at_epoch_end
+        for generator, saved in zip(_sampler_generators(loaders), samplers, strict=False):
             if generator is not None and saved is not None:
                 generator.set_state(saved)
                 rebuild = True
-        if trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end:
-            # At an epoch's end Lightning built the next iterator before setting the samplers' epoch: build it again,
-            # from the states the uninterrupted run built it from (the checkpoint's).
-            for loader in loaders:
-                _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
-            if restored is not None:
-                _restore(restored)
-            rebuild = True
         if rebuild:
             # Lightning built the epoch's iterator before this hook: a new one draws from the restored states.
             iter(internals.fit_data_fetcher(trainer))
