@@ -11,30 +11,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.data
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    Sampler,
-    SequentialSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
-)
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRandomSampler
 
 from template.engine import internals
-
-# Samplers whose order is a function of the recorded states alone; another's is checked at a stop.
-KNOWN_SAMPLERS = (
-    SequentialSampler,
-    torch.utils.data.RandomSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
-    DistributedSampler,
-    BatchSampler,
-)
 
 
 def global_states() -> dict[str, Any]:
@@ -167,11 +147,6 @@ class ResumableIndexSampler(Sampler):
         finally:
             self._put_back(saved, epochs=True)
         return again == self.first
-
-    def known_order(self) -> bool:
-        """Whether every sampler inside is of a kind whose order is a function of the recorded states."""
-        parts = [self.inner, getattr(self.inner, "sampler", None)]
-        return all(part is None or type(part) in KNOWN_SAMPLERS for part in parts)
 
 
 def _resumable_class(cls: type) -> type:

@@ -110,7 +110,7 @@ class RNGStateCheckpoint(Callback):
         for index, loader in enumerate(self._train_loaders()):
             reason = not_resumable_reason(loader)
             sampler = wrapped(loader)
-            if reason is None and sampler is not None and not (sampler.known_order() or sampler.order_reproducible()):
+            if reason is None and sampler is not None and not sampler.order_reproducible():
                 name = type(sampler.inner).__name__
                 reason = f"its sampler {name} draws an order that the recorded random states do not draw again"
             if reason is not None:
