@@ -169,9 +169,6 @@ class DataParallelStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, *args: Any, **kwargs: Any) -> Tensor | Any:
         return tensor  # outputs are gathered before the loss: one value, nothing to reduce
 
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return tensor
-
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass
 
