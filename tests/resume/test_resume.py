@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -167,9 +168,9 @@ class _Tiny(LightningModule):
         return DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
 
 
-def _fit(tmp_path: Path, epochs: int, ckpt_path: Path | None = None) -> _Tiny:
+def _fit(tmp_path: Path, epochs: int, ckpt_path: Path | None = None, module: type[_Tiny] = _Tiny) -> _Tiny:
     seed_everything(0)
-    model = _Tiny()
+    model = module()
     trainer = Trainer(
         max_epochs=epochs, callbacks=[RNGStateCheckpoint()], plugins=[AtomicCheckpointIO()], deterministic=True,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -188,6 +189,32 @@ def test_sampler_generator_state_is_restored(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
     saved = torch.load(tmp_path / "b" / "epoch1.ckpt", weights_only=True)["callbacks"]["RNGStateCheckpoint"]
     assert saved["ranks"][0]["samplers"][0] is not None  # the loader's own generator was saved, not only global RNG
+
+
+class _Chunks(torch.utils.data.Sampler):
+    """A user's batch sampler with no ``sampler`` inside: chunks of a permutation drawn with Python's random."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __iter__(self):  # noqa: ANN204
+        order = list(range(16))
+        random.shuffle(order)
+        for start in range(0, 16, 4):
+            yield order[start : start + 4]
+
+
+class _TinyChunks(_Tiny):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.arange(64.0).reshape(16, 4) / 64), batch_sampler=_Chunks())
+
+
+def test_a_users_batch_sampler_without_a_sampler_resumes_exactly(tmp_path: Path) -> None:
+    straight = _fit(tmp_path / "a", epochs=2, module=_TinyChunks)
+    _fit(tmp_path / "b", epochs=1, module=_TinyChunks)
+    resumed = _fit(tmp_path / "b", epochs=2, ckpt_path=tmp_path / "b" / "epoch1.ckpt", module=_TinyChunks)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_last_ckpt_holds_the_last_step_when_the_score_stops_improving(tmp_path: Path, run_cli) -> None:  # noqa: ANN001

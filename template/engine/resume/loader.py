@@ -11,30 +11,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.data
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    Sampler,
-    SequentialSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
-)
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRandomSampler
 
 from template.engine import internals
-
-# Samplers whose order is a function of the recorded states alone; another's is checked at a stop.
-KNOWN_SAMPLERS = (
-    SequentialSampler,
-    torch.utils.data.RandomSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
-    DistributedSampler,
-    BatchSampler,
-)
 
 
 def global_states() -> dict[str, Any]:
@@ -56,14 +36,6 @@ def restore_global_states(state: dict[str, Any]) -> None:
         np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def capture_states(generators: list[torch.Generator], epoch_samplers: list[Any]) -> dict[str, Any]:
-    """The random states a sampler can draw from: the global ones, its own generators, its epoch."""
-    state = global_states()
-    state["generators"] = [generator.get_state() for generator in generators]
-    state["epochs"] = [int(getattr(sampler, "epoch", 0)) for sampler in epoch_samplers]
-    return state
-
-
 class ResumableIndexSampler(Sampler):
     """The loader's index sampler (its batch sampler, else its sampler), able to skip batches: the same items, length
     and draws at the same moments as the wrapped one, whose other attributes (``batch_size``...) it has."""
@@ -75,7 +47,7 @@ class ResumableIndexSampler(Sampler):
         # This epoch's states: when the DataLoader created its iterator, and when the sampler started drawing.
         self.at_iterator: dict[str, Any] | None = None
         self.at_order: dict[str, Any] | None = None
-        # This epoch's first item: a stop checks that the order of a sampler of unknown kind replays.
+        # This epoch's first item: a stop checks that the order replays.
         self.first: Any = None
         self._resume: tuple[dict[str, Any], dict[str, Any], int] | None = None
         self.resuming = False
@@ -91,6 +63,13 @@ class ResumableIndexSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    def _capture(self) -> dict[str, Any]:
+        """The random states this sampler can draw from: the global ones, its own generators, its epoch."""
+        state = global_states()
+        state["generators"] = [generator.get_state() for generator in self.generators]
+        state["epochs"] = [int(getattr(sampler, "epoch", 0)) for sampler in self.epoch_samplers]
+        return state
 
     def _put_back(self, state: dict[str, Any], epochs: bool = False) -> None:
         restore_global_states(state)
@@ -113,7 +92,7 @@ class ResumableIndexSampler(Sampler):
         """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
         if new and persistent and self._resume is None and self._workers_seed_from is not None:
             # The seed from the states it was first drawn from; the order from where training is (see __iter__).
-            self._after_seed = capture_states(self.generators, self.epoch_samplers)
+            self._after_seed = self._capture()
             self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
             self._put_back(self.at_iterator)
             return
@@ -121,7 +100,7 @@ class ResumableIndexSampler(Sampler):
         if self._resume is not None:
             self._put_back(self._resume[0])  # the workers' seed as the uninterrupted run drew it
         elif new or self.at_iterator is None:
-            self.at_iterator = capture_states(self.generators, self.epoch_samplers)
+            self.at_iterator = self._capture()
 
     def __iter__(self) -> Iterator[Any]:
         # A generator, so that the wrapped sampler draws when it would unwrapped (at the first item): a DataLoader with
@@ -132,7 +111,7 @@ class ResumableIndexSampler(Sampler):
         if self._after_seed is not None:
             self._put_back(self._after_seed)
             self._after_seed = None
-        self.at_order = capture_states(self.generators, self.epoch_samplers)
+        self.at_order = self._capture()
         for index, item in enumerate(self.inner):
             if index == 0:
                 self.first = _plain(item)
@@ -142,7 +121,7 @@ class ResumableIndexSampler(Sampler):
         assert self._resume is not None
         at_iterator, at_order, done = self._resume
         self._resume = None
-        now = capture_states(self.generators, self.epoch_samplers)
+        now = self._capture()
         self._put_back(at_order, epochs=True)
         iterator = iter(self.inner)
         first = next(iterator, None)  # the sampler draws its order here, from the recorded states
@@ -160,18 +139,13 @@ class ResumableIndexSampler(Sampler):
         """Whether this epoch's first item is drawn again from the recorded states (checked without loading data)."""
         if self.at_order is None or self.first is None:
             return True
-        saved = capture_states(self.generators, self.epoch_samplers)
+        saved = self._capture()
         try:
             self._put_back(self.at_order, epochs=True)
             again = _plain(next(iter(self.inner), None))
         finally:
             self._put_back(saved, epochs=True)
         return again == self.first
-
-    def known_order(self) -> bool:
-        """Whether every sampler inside is of a kind whose order is a function of the recorded states."""
-        parts = [self.inner, getattr(self.inner, "sampler", None)]
-        return all(part is None or type(part) in KNOWN_SAMPLERS for part in parts)
 
 
 def _resumable_class(cls: type) -> type:

@@ -110,7 +110,7 @@ class RNGStateCheckpoint(Callback):
         for index, loader in enumerate(self._train_loaders()):
             reason = not_resumable_reason(loader)
             sampler = wrapped(loader)
-            if reason is None and sampler is not None and not (sampler.known_order() or sampler.order_reproducible()):
+            if reason is None and sampler is not None and not sampler.order_reproducible():
                 name = type(sampler.inner).__name__
                 reason = f"its sampler {name} draws an order that the recorded random states do not draw again"
             if reason is not None:
@@ -164,7 +164,6 @@ class RNGStateCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = self._train_loaders()
         restored, self._restored = self._restored, None
-        samplers = None if restored is None else restored["samplers"]
         trainer.callback_metrics.update({} if restored is None else restored.get("monitors", {}))
         if trainer.fit_loop.resumed_on_epoch_end and pl_module.automatic_optimization:
             # Written in an epoch's on_train_epoch_end, before Lightning stepped plateau schedulers there: the resumed
@@ -177,24 +176,23 @@ class RNGStateCheckpoint(Callback):
         stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
         replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
-        if (stateful or replayed) and restored is not None:
-            # Making the restored iterator drew from the global generators, which the uninterrupted run did earlier.
+        # At an epoch's end Lightning built the next iterator before setting the samplers' epoch: it is built again.
+        at_epoch_end = trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end
+        if at_epoch_end:
+            for loader in loaders:
+                _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+        if restored is not None and (stateful or replayed or at_epoch_end):
+            # Making the restored (at an epoch's end: the next) iterator drew from the global generators, which the
+            # uninterrupted run did earlier, from the checkpoint's states.
             _restore(restored)
-            if trainer.fit_loop.restarted_mid_epoch or replayed:
-                samplers = None  # its place in the epoch is back, sampler generator included
-        rebuild = False
-        for generator, saved in zip(_sampler_generators(loaders), samplers or [], strict=False):
+        # A place in the epoch put back brings its sampler generator with it.
+        put_back = (stateful and trainer.fit_loop.restarted_mid_epoch) or replayed
+        samplers = [] if restored is None or put_back else restored["samplers"]
+        rebuild = at_epoch_end
+        for generator, saved in zip(_sampler_generators(loaders), samplers, strict=False):
             if generator is not None and saved is not None:
                 generator.set_state(saved)
                 rebuild = True
-        if trainer.fit_loop.restarted_on_epoch_end or trainer.fit_loop.resumed_on_epoch_end:
-            # At an epoch's end Lightning built the next iterator before setting the samplers' epoch: build it again,
-            # from the states the uninterrupted run built it from (the checkpoint's).
-            for loader in loaders:
-                _set_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
-            if restored is not None:
-                _restore(restored)
-            rebuild = True
         if rebuild:
             # Lightning built the epoch's iterator before this hook: a new one draws from the restored states.
             iter(internals.fit_data_fetcher(trainer))
@@ -236,13 +234,11 @@ def _set_epoch(loader: object, epoch: int) -> None:
 
 
 def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | None]:
-    """The explicit generator of each loader's sampler; None where sampling draws from the global torch RNG."""
-    generators = []
-    for loader in loaders:
-        sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
-        generator = getattr(sampler, "generator", None)
-        generators.append(generator if isinstance(generator, torch.Generator) else None)
-    return generators
+    """The explicit generator of each loader's sampler; None where sampling draws from the global torch RNG (a user's
+    batch sampler may have no ``sampler`` inside)."""
+    samplers = [getattr(loader.batch_sampler, "sampler", loader.sampler) for loader in loaders]
+    generators = [getattr(sampler, "generator", None) for sampler in samplers]
+    return [generator if isinstance(generator, torch.Generator) else None for generator in generators]
 
 
 def _recorded(sampler: Any) -> dict[str, Any] | None:

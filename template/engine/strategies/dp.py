@@ -8,10 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor, nn
@@ -85,20 +83,9 @@ class DataParallelStrategy(ParallelStrategy):
 
     strategy_name = "dp"
 
-    def __init__(
-        self,
-        module_name: str = "net",
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+    def __init__(self, module_name: str = "net", parallel_devices: list[torch.device] | None = None) -> None:
+        # The accelerator, precision and checkpoint IO come from the Trainer's own arguments, as fsdp's do.
+        super().__init__(parallel_devices=parallel_devices)
         self.module_name = module_name
         self.num_nodes = 1  # the Trainer sets its own before it calls set_world_ranks
 
@@ -168,9 +155,6 @@ class DataParallelStrategy(ParallelStrategy):
 
     def reduce(self, tensor: Tensor | Any, *args: Any, **kwargs: Any) -> Tensor | Any:
         return tensor  # outputs are gathered before the loss: one value, nothing to reduce
-
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass
