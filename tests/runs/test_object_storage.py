@@ -337,8 +337,13 @@ def in_process(s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S3:
     """The command line run in this process (``run_main``) against the server, temporary files under tmp_path."""
     import tempfile
 
+    import multiprocessing.util
+
     import fsspec.config
 
+    # multiprocessing makes its folder once per process, in tempfile's: made under tmp_path, its sockets' paths would
+    # pass AF_UNIX's limit and every later DataLoader worker of this pytest process would hang unable to send a batch.
+    multiprocessing.util.get_temp_dir()
     (tmp_path / "tmp").mkdir()
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
