@@ -46,6 +46,8 @@ from template.engine.sweep.reporter import NOT_LOGGED, REPORTER, REPORTS
 STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a dead worker
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran
+# A tracker's arguments that group the trials by sweep and name each one.
+GROUPED = {"MLFlowLogger": ("experiment_name", "run_name"), "WandbLogger": ("group", "name")}
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
 
 
@@ -351,11 +353,8 @@ def trial_config(config: dict[str, Any], sweep: Sweep, run: str) -> dict[str, An
     callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
     trainer["callbacks"] = [*callbacks, {"class_path": REPORTER, "init_args": {"monitor": sweep.objective}}]
     for tracker in config.get("trackers") or []:
-        kind, init = str(tracker.get("class_path", "")).rsplit(".", 1)[-1], tracker.setdefault("init_args", {})
-        if kind == "MLFlowLogger":
-            init.update(experiment_name=sweep.name, run_name=run)
-        elif kind == "WandbLogger":
-            init.update(group=sweep.name, name=run)
+        if names := GROUPED.get(str(tracker.get("class_path", "")).rsplit(".", 1)[-1]):
+            tracker.setdefault("init_args", {}).update(zip(names, (sweep.name, run), strict=True))
     return config
 
 
