@@ -183,13 +183,13 @@ class Driver:
 
     def _poll(self, slot: str) -> None:
         running = self.running[slot]
+        code = running.process.exitcode  # before the reports: a process that ended has written all of its own
         self._read_reports(running)
         if time.monotonic() - running.heartbeat > self.sweep.heartbeat:
             running.trial.set_user_attr("heartbeat", time.time())
             running.heartbeat = time.monotonic()
-        if (code := running.process.exitcode) is None:
+        if code is None:
             return
-        self._read_reports(running)
         del self.running[slot]
         if self.stop_signal is None or running.ending is not None:  # else still running in the study, continued
             self._record(running, code)
