@@ -48,7 +48,6 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran
 # A tracker's arguments that group the trials by sweep and name each one.
 GROUPED = {"MLFlowLogger": ("experiment_name", "run_name"), "WandbLogger": ("group", "name")}
-_EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
 
 
 @dataclass
@@ -420,6 +419,6 @@ def _reason(log: Path, code: int) -> str:
         if line.startswith("error:"):  # its traceback is in its log, not in the sweep's table
             return line.replace("its traceback follows", f"its traceback is in {log.name}")[:300]
     for line in lines:  # Python prints a chain of exceptions root cause first
-        if _EXCEPTION.match(line):
+        if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)", line):
             return line[:300]
     return f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
