@@ -46,7 +46,8 @@ from template.engine.sweep.reporter import NOT_LOGGED, REPORTER, REPORTS
 STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a dead worker
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran
-_EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)")
+# A tracker's arguments that group the trials by sweep and name each one.
+GROUPED = {"MLFlowLogger": ("experiment_name", "run_name"), "WandbLogger": ("group", "name")}
 
 
 @dataclass
@@ -181,13 +182,13 @@ class Driver:
 
     def _poll(self, slot: str) -> None:
         running = self.running[slot]
+        code = running.process.exitcode  # before the reports: a process that ended has written all of its own
         self._read_reports(running)
         if time.monotonic() - running.heartbeat > self.sweep.heartbeat:
             running.trial.set_user_attr("heartbeat", time.time())
             running.heartbeat = time.monotonic()
-        if (code := running.process.exitcode) is None:
+        if code is None:
             return
-        self._read_reports(running)
         del self.running[slot]
         if self.stop_signal is None or running.ending is not None:  # else still running in the study, continued
             self._record(running, code)
@@ -351,11 +352,8 @@ def trial_config(config: dict[str, Any], sweep: Sweep, run: str) -> dict[str, An
     callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
     trainer["callbacks"] = [*callbacks, {"class_path": REPORTER, "init_args": {"monitor": sweep.objective}}]
     for tracker in config.get("trackers") or []:
-        kind, init = str(tracker.get("class_path", "")).rsplit(".", 1)[-1], tracker.setdefault("init_args", {})
-        if kind == "MLFlowLogger":
-            init.update(experiment_name=sweep.name, run_name=run)
-        elif kind == "WandbLogger":
-            init.update(group=sweep.name, name=run)
+        if names := GROUPED.get(str(tracker.get("class_path", "")).rsplit(".", 1)[-1]):
+            tracker.setdefault("init_args", {}).update(zip(names, (sweep.name, run), strict=True))
     return config
 
 
@@ -421,6 +419,6 @@ def _reason(log: Path, code: int) -> str:
         if line.startswith("error:"):  # its traceback is in its log, not in the sweep's table
             return line.replace("its traceback follows", f"its traceback is in {log.name}")[:300]
     for line in lines:  # Python prints a chain of exceptions root cause first
-        if _EXCEPTION.match(line):
+        if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(: |$)", line):
             return line[:300]
     return f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")

@@ -20,8 +20,6 @@ from template.engine.sweep import Sweep
 
 KINDS = {"float": FloatDistribution, "int": IntDistribution, "categorical": CategoricalDistribution}
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
 
 class _Parse(CLI):
     """The fit command line with the command's sections added; it parses and builds nothing."""
@@ -66,7 +64,7 @@ class Configs:
 
 def search_space(sweep: Sweep) -> dict[str, BaseDistribution]:
     """Optuna's distributions for ``sweep.space``; a mistake in the options that needs no fit config, in one line."""
-    if not _NAME.fullmatch(sweep.name):
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", sweep.name):
         raise ConfigError(
             f"sweep.name={sweep.name!r} is not a folder name; use letters, digits, '.', '_' and '-', e.g. digits-lr"
         )

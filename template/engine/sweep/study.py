@@ -365,9 +365,8 @@ def _plots(folder: Path, plots: dict[str, Callable[..., Any]], *args: Any) -> li
                 axes = plot(*args)
             except (ValueError, RuntimeError, ZeroDivisionError):
                 continue
-        figure = getattr(axes, "figure", None) or axes.flat[0].figure
-        atomic_write(folder / name, functools.partial(figure.savefig, format="png", dpi=100, bbox_inches="tight"))
-        plt.close(figure)
+        atomic_write(folder / name, functools.partial(axes.figure.savefig, format="png", dpi=100, bbox_inches="tight"))
+        plt.close(axes.figure)
         written.append(name)
     return written
 
