@@ -27,8 +27,11 @@ def global_states() -> dict[str, Any]:
 
 
 def restore_global_states(state: dict[str, Any]) -> None:
-    """Put back what ``global_states`` recorded (a training step's dropout draws from these)."""
+    """Put back what ``global_states`` recorded (a training step's dropout draws from these), and the GPUs' states of
+    a checkpoint (``cuda``: device -> state, as ``RNGStateCheckpoint.load_state_dict`` matched them to its devices)."""
     torch.set_rng_state(state["torch"])
+    for device, rng_state in state.get("cuda", {}).items():
+        torch.cuda.set_rng_state(rng_state, device)
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if state["numpy"] is not None:

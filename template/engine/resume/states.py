@@ -151,7 +151,7 @@ class RNGStateCheckpoint(Callback):
             return
         state = state_dict["ranks"][dist.get_rank() if world_size > 1 else 0]
         state = {**state, "cuda": _on_devices(state.get("cuda"), process_devices(self._trainer.strategy))}
-        _restore(state)
+        restore_global_states(state)
         self._restored = state
         self._pending_loaders = list(state.get("loaders") or [])
 
@@ -184,7 +184,7 @@ class RNGStateCheckpoint(Callback):
         if restored is not None and (stateful or replayed or at_epoch_end):
             # Making the restored (at an epoch's end: the next) iterator drew from the global generators, which the
             # uninterrupted run did earlier, from the checkpoint's states.
-            _restore(restored)
+            restore_global_states(restored)
         # A place in the epoch put back brings its sampler generator with it.
         put_back = (stateful and trainer.fit_loop.restarted_mid_epoch) or replayed
         samplers = [] if restored is None or put_back else restored["samplers"]
@@ -254,10 +254,3 @@ def _on_devices(saved: dict[str, torch.Tensor] | list[torch.Tensor] | None, devi
     if isinstance(saved, list):  # written by an older version: every visible GPU's state, by CUDA's number
         return {d: saved[d.index] for d in gpus if d.index is not None and d.index < len(saved)}
     return dict(zip(gpus, (saved or {}).values(), strict=False))
-
-
-def _restore(state: dict[str, Any]) -> None:
-    """Put back a process's states as ``load_state_dict`` matched them to its devices."""
-    restore_global_states(state)
-    for device, rng_state in state["cuda"].items():
-        torch.cuda.set_rng_state(rng_state, device)

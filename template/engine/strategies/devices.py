@@ -80,8 +80,7 @@ def parse_free_request(devices: Any) -> FreeRequest | None:
 def resolve_free_devices(trainer: MutableMapping[str, Any]) -> None:
     """Replace ``trainer["devices"]`` = ``free:N[,min=M]`` in place by the GPU indices rank 0 picks, which it hands
     down in ``FREE_GPUS_CHOSEN`` to the ranks Lightning's DDP launcher starts: all train on the same GPUs."""
-    request = parse_free_request(trainer.get("devices"))
-    if request is None:
+    if (request := parse_free_request(trainer.get("devices"))) is None:
         return
     accelerator = str(trainer.get("accelerator") or "auto").lower()
     if accelerator not in ("auto", "gpu", "cuda"):
@@ -155,11 +154,10 @@ def pick_free_gpus(request: FreeRequest) -> tuple[list[int], str]:
             "the devices explicitly"
         )
     chosen = qualifying[: request.count]
-    message = (
+    return chosen, (
         f"trainer.devices={request.text!r}: training on GPU(s) {chosen}, the {request.count} with the most free "
         f"memory{floor} of {len(gpus)} visible ({listing})"
     )
-    return chosen, message
 
 
 def read_visible_gpus(request: FreeRequest) -> list[tuple[int, int]]:
