@@ -67,8 +67,7 @@ class _TimedSave:
     def save_now(self) -> None:
         """Write what is buffered, and again at the next ``save()``: a checkpoint at a batch's end comes before
         Lightning logs that step's values."""
-        self._saves.reset()
-        self.save()
+        self._write(super().save)  # type: ignore[misc]
         self._saves.reset()
 
     def finalize(self, status: str) -> None:

@@ -197,18 +197,15 @@ class RunFolders:
         files are uploaded first: the error saying why they could not be, or None."""
         if self.lock is not None:
             self.lock.release()
-        for store in self.read:
-            store.close()
-        if self.remote is None:
-            return None
         try:
-            if self.claimed is not None:  # by the process of global rank zero
+            if self.remote is not None and self.claimed is not None:  # by the process of global rank zero
                 self.remote.sync(self.claimed)
                 self.remote.flush()
         except (ConfigError, DiskError) as err:
             return err
         finally:
-            self.remote.close()
+            for store in filter(None, [*self.read, self.remote]):
+                store.close()
         return None
 
 
