@@ -231,14 +231,17 @@ def test_one_start_at_a_time_and_a_stale_lease_is_taken_over(s3: S3, tmp_path: P
     assert finish(proc, WAIT) == 143
     assert not s3.fs().exists(lease)  # released when the run stopped
     first = {k for k in s3.fs().find(f"{root[5:]}/lightning_logs/r/checkpoints") if "best-" in k}
+    # Each later start trains one epoch more: the first may have gone several epochs past its best on a loaded machine.
+    with s3.fs().open(f"{root[5:]}/lightning_logs/r/checkpoints/interrupted.ckpt") as f:
+        epochs = torch.load(f, weights_only=True)["epoch"] + 1
     # A lease whose holder died without releasing it: expired (another host), or on this host with its PID gone.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     for holder in ({"host": "elsewhere", "pid": 1, "expires": time.time() - 1},
                    {"host": socket.gethostname(), "pid": dead.pid, "expires": time.time() + 3600}):  # fmt: skip
         s3.fs().pipe(lease, json.dumps(holder).encode())
-        started = time.monotonic()
-        done = _run([*command, "--trainer.max_epochs=3"], tmp_path, env)
+        started, epochs = time.monotonic(), epochs + 1
+        done = _run([*command, f"--trainer.max_epochs={epochs}"], tmp_path, env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert time.monotonic() - started < 120  # taken over at once, not after an hour
     # Later starts' best checkpoints replaced each other, never the first start's (Lightning #21813 on object stores).
@@ -335,9 +338,8 @@ MISTAKES = {
 @pytest.fixture
 def in_process(s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S3:
     """The command line run in this process (``run_main``) against the server, temporary files under tmp_path."""
-    import tempfile
-
     import multiprocessing.util
+    import tempfile
 
     import fsspec.config
 
