@@ -68,7 +68,6 @@ CALLBACK_SECTIONS: dict[str, type[Callback]] = {
     "compile": CompileNetwork,
     "throughput": ThroughputLog,
 }
-RESULTS = "test-results.json"
 
 
 def _described(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -279,14 +278,14 @@ class CLI(LightningCLI):
     def after_fit(self) -> None:
         checkpoint = self.trainer.checkpoint_callback
         if _of_subcommand(self.config).get("test_after_fit"):
-            # The best checkpoint (else the last weights), logged into the run's logs and to its RESULTS file.
+            # The best checkpoint (else the last weights), logged into the run's logs and to its test-results.json.
             best = getattr(checkpoint, "best_model_path", "") or None
             rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")
             results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path="best" if best else None)
             log_dir = self.trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
             if self.trainer.is_global_zero and log_dir is not None:
                 text = json.dumps({"checkpoint": best, "results": results}, indent=1)
-                atomic_write(Path(log_dir) / RESULTS, lambda f: f.write(text.encode()))
+                atomic_write(Path(log_dir) / "test-results.json", lambda f: f.write(text.encode()))
         # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
         if checkpoint is not None and checkpoint.best_model_path and checkpoint.best_model_score is not None:
             score = float(checkpoint.best_model_score)
