@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from fsspec.utils import get_protocol
 from jsonargparse import ArgumentError, Namespace
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -327,7 +326,7 @@ def settle(config: Any, subcommand: str | None, folders: RunFolders) -> Run | No
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
     """Create the run's folder (and the user's checkpoint folder), prove it writable and lock it, before any write."""
     dirpath = config.get("checkpoint.dirpath") if subcommand == "fit" else None
-    if dirpath is not None and get_protocol(str(dirpath)) == "file":
+    if dirpath is not None and not is_remote(str(dirpath)):
         # Not found unwritable by the first checkpoint an epoch later; remote stores (s3://) are their client's.
         folders.prepare(dirpath, "--checkpoint.dirpath")
     name = folder.run_name(config.get("run.name")) if subcommand == "fit" else None
