@@ -69,11 +69,10 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(2)
     if name == "runs" or name in ("sweep", "cv") and not {"-h", "--help"}.isdisjoint(argv):
         try:  # each prints what it was asked for, with no exit code of its own
-            pkgutil.resolve_name(COMMANDS[name].runs)(argv[1:])
+            return pkgutil.resolve_name(COMMANDS[name].runs)(argv[1:])
         except (ConfigError, DiskError) as err:  # these commands' only failures, said as cli.main says them
             print(f"error: {err}", file=sys.stderr)
             sys.exit(3 if isinstance(err, DiskError) else 2)
-        return None
     from template.engine.commands.cli import main as run
 
     return run(args)

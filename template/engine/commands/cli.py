@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from fsspec.utils import get_protocol
 from jsonargparse import ArgumentError, Namespace
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -68,7 +67,6 @@ CALLBACK_SECTIONS: dict[str, type[Callback]] = {
     "compile": CompileNetwork,
     "throughput": ThroughputLog,
 }
-RESULTS = "test-results.json"
 
 
 def _described(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -279,14 +277,14 @@ class CLI(LightningCLI):
     def after_fit(self) -> None:
         checkpoint = self.trainer.checkpoint_callback
         if _of_subcommand(self.config).get("test_after_fit"):
-            # The best checkpoint (else the last weights), logged into the run's logs and to its RESULTS file.
+            # The best checkpoint (else the last weights), logged into the run's logs and to its test-results.json.
             best = getattr(checkpoint, "best_model_path", "") or None
             rank_zero_info(f"Testing {best or 'the final weights (no best checkpoint: checkpoint.monitor is unset)'}")
             results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path="best" if best else None)
             log_dir = self.trainer.log_dir  # on every rank: Lightning broadcasts it from rank 0
             if self.trainer.is_global_zero and log_dir is not None:
                 text = json.dumps({"checkpoint": best, "results": results}, indent=1)
-                atomic_write(Path(log_dir) / RESULTS, lambda f: f.write(text.encode()))
+                atomic_write(Path(log_dir) / "test-results.json", lambda f: f.write(text.encode()))
         # A user's extra ModelCheckpoint without a monitor can come first: it has a path but no score.
         if checkpoint is not None and checkpoint.best_model_path and checkpoint.best_model_score is not None:
             score = float(checkpoint.best_model_score)
@@ -328,7 +326,7 @@ def settle(config: Any, subcommand: str | None, folders: RunFolders) -> Run | No
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
     """Create the run's folder (and the user's checkpoint folder), prove it writable and lock it, before any write."""
     dirpath = config.get("checkpoint.dirpath") if subcommand == "fit" else None
-    if dirpath is not None and get_protocol(str(dirpath)) == "file":
+    if dirpath is not None and not is_remote(str(dirpath)):
         # Not found unwritable by the first checkpoint an epoch later; remote stores (s3://) are their client's.
         folders.prepare(dirpath, "--checkpoint.dirpath")
     name = folder.run_name(config.get("run.name")) if subcommand == "fit" else None
