@@ -1,6 +1,7 @@
 """End to end: the commands a user types, run for real in a subprocess."""
 
 import csv
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,8 @@ LIGHT = {
 @pytest.mark.parametrize("case", list(LIGHT))
 def test_what_needs_no_training_imports_neither_torch_nor_lightning(case: str, tmp_path: Path) -> None:
     args, code, line = LIGHT[case]
+    if case in ("sweep help", "cv help") and importlib.util.find_spec("optuna") is None:  # no sweep extra installed
+        code, line = 2, f"error: the {args[0]} needs Optuna; install the extra: pip install -e '.[sweep]'"
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", PACKAGE, *args], cwd=tmp_path, env=cli_env(), capture_output=True,
         text=True, timeout=60, stdin=subprocess.DEVNULL,

@@ -318,8 +318,6 @@ def _assert_users_defaults(model: dict, data: dict) -> None:
 def test_every_command_reads_the_users_classes_with_their_own_defaults(tmp_path, monkeypatch, run_main) -> None:  # noqa: ANN001
     from template.engine.commands import export, tune
     from template.engine.commands.cli import build_cli
-    from template.engine.sweep import CV, SWEEP
-    from template.engine.sweep.options import Configs
 
     monkeypatch.syspath_prepend(str(USER_CODE))
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(TABULAR))
@@ -327,12 +325,6 @@ def test_every_command_reads_the_users_classes_with_their_own_defaults(tmp_path,
     assert printed.returncode == 0, printed.stderr[-3000:]
     fit = yaml.safe_load(printed.stdout)
     _assert_users_defaults(fit["model"], fit["data"])
-    # A sweep's trial and a cv's fold are fit's config with their values set, nothing of the example's.
-    trial = Configs(["--config", "user.yaml", "--sweep.name=s", "--sweep.space={}"], SWEEP).complete({})
-    assert (trial["model"], trial["data"]) == (fit["model"], fit["data"])
-    fold = Configs(["--config", "user.yaml"], CV).complete({"data.fold": 1, "data.num_folds": 3})
-    fold["data"]["init_args"].update(fold=None, num_folds=3)
-    assert (fold["model"], fold["data"]) == (fit["model"], fit["data"])
     # The module and data that tune finds a batch size (the split it sizes) and a learning rate with, export builds.
     for command in (tune._OneDevice, export.FitConfig):
         cli = build_cli(["--config", "user.yaml", "--trainer.logger=false"], False, command)
@@ -342,6 +334,16 @@ def test_every_command_reads_the_users_classes_with_their_own_defaults(tmp_path,
             assert model[key] == fit["model"]["init_args"][key], command
         net = {**fit["model"]["init_args"]["net"]["init_args"], "input_shape": [6], "num_classes": 2}  # linked
         assert model["net"]["init_args"] == net, command
+    pytest.importorskip("optuna", reason="the sweep extra is not installed: pip install -e '.[sweep]'")
+    from template.engine.sweep import CV, SWEEP
+    from template.engine.sweep.options import Configs
+
+    # A sweep's trial and a cv's fold are fit's config with their values set, nothing of the example's.
+    trial = Configs(["--config", "user.yaml", "--sweep.name=s", "--sweep.space={}"], SWEEP).complete({})
+    assert (trial["model"], trial["data"]) == (fit["model"], fit["data"])
+    fold = Configs(["--config", "user.yaml"], CV).complete({"data.fold": 1, "data.num_folds": 3})
+    fold["data"]["init_args"].update(fold=None, num_folds=3)
+    assert (fold["model"], fold["data"]) == (fit["model"], fit["data"])
 
 
 @pytest.mark.parametrize(

@@ -117,12 +117,10 @@ def test_a_whole_checkpoint_loads_into_the_shards(run_cli, tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr[-3000:]
     last = tmp_path / "lightning_logs" / "one" / "checkpoints" / "last.ckpt"
     measured = {}
-    for strategy, config in (("ddp", "ddp_cpu.yaml"), ("fsdp", "fsdp_cpu.yaml")):
-        where = f"--trainer.default_root_dir={strategy}"
-        done = run_cli("validate", "--config", CONFIGS / config, *TINY, "--ckpt_path", last, where, timeout=WAIT)
+    for n, (strategy, config) in enumerate((("ddp", "ddp_cpu.yaml"), ("fsdp", "fsdp_cpu.yaml"))):
+        done = run_cli("validate", "--config", CONFIGS / config, *TINY, "--ckpt_path", last, timeout=WAIT)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        (version,) = (tmp_path / strategy / "lightning_logs").iterdir()
-        measured[strategy] = _val_accs(version)
+        measured[strategy] = _val_accs(last.parent.parent / "validate" / f"version_{n}")  # beside the checkpoint's run
     assert measured["fsdp"] == pytest.approx(measured["ddp"], abs=1e-6) and len(measured["fsdp"]) == 1
 
 
