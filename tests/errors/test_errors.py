@@ -280,6 +280,24 @@ def test_a_bad_checkpoint_is_one_line_for_every_subcommand(
     assert _snapshot(tmp_path) == before, "the failed command changed files on disk"
 
 
+def test_predictions_named_after_a_folder_is_one_line_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    _workspace(tmp_path)
+    checkpoint = "model.ckpt"  # passes the checkpoint's own check: the refusal is the predictions file's
+    torch.save({"pytorch-lightning_version": "2.6.6", "state_dict": {}}, tmp_path / checkpoint)
+    before = _snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [PACKAGE])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", str(CONFIGS / "default.yaml"), f"--ckpt_path={checkpoint}", "--predictions=data"])
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert errors == ["error: --predictions=data is a folder; name a file, e.g. --predictions=data/new.csv"]
+    assert _snapshot(tmp_path) == before, "the failed command changed files on disk"
+
+
 @pytest.mark.parametrize("ckpt", ["missing.ckpt", "truncated.ckpt", "corrupt.ckpt"])
 def test_export_of_a_bad_checkpoint_is_one_line(tmp_path: Path, run_main, ckpt: str) -> None:  # noqa: ANN001
     _workspace(tmp_path)

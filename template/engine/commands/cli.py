@@ -190,6 +190,8 @@ class CLI(LightningCLI):
         # Every class is built by a blame.Instantiator, so that a refusal names the option that built it. Lightning's
         # model instantiator records even links jsonargparse did not apply, which load_from_checkpoint then misses.
         config = _of_subcommand(self.config)
+        if (path := config.get("predictions")) is not None and Path(path).is_dir():
+            raise ConfigError(f"--predictions={path} is a folder; name a file, e.g. --predictions={path}/new.csv")
         model = _AppliedLinksOnly(cli=self, key="model")
         data = internals.instantiator_class()(cli=self, key="data")
         for wrapped, cls in ((model, LightningModule), (data, LightningDataModule), (None, object)):
