@@ -1,56 +1,54 @@
-"""The command line: LightningCLI with the project's defaults, what it adds to a Trainer (each piece built from the
-parsed config; one that changes the run is announced in its first lines), and ``main``, which reports every failure."""
+"""The command line: LightningCLI with the project's defaults (``CLI``, ``build_cli``), and ``main``, which reports
+every failure. What it adds to a Trainer is ``trainer_arguments``'; the predictions file ``predictions``'."""
 
 from __future__ import annotations
 
-import contextlib
-import csv
 import functools
 import inspect
 import json
-import logging
 import pkgutil
 import sys
 import traceback
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from jsonargparse import ArgumentError, Namespace
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DistributedSampler
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 import template
 from template.engine import errors, internals
 from template.engine.commands import COMMANDS, PROGRAM, preflight
+from template.engine.commands.predictions import PredictionWriter
+from template.engine.commands.quiet import quiet_libraries
+from template.engine.commands.trainer_arguments import (
+    PaddedValidation,  # noqa: F401 - tests/commands/test_wiring.py reads it here until it imports it from its module
+    callbacks,
+    listed,
+    loggers,
+    plugins,
+    process_group_timeout,
+    strategy,
+)
 from template.engine.errors import ConfigError, blame
-from template.engine.jobs.preemption import Preemption, command_ended, defer_signals, signal_handlers
+from template.engine.jobs.preemption import command_ended, defer_signals, signal_handlers
 from template.engine.jobs.processes import HangWatchdog, dead_rank, join_restarted_group
-from template.engine.logs import loggers as tracking
-from template.engine.logs.console import MonitorCheck, ThroughputLog, TimedProgressBar, first_lines
-from template.engine.logs.loggers import LogsBeforeCheckpoints, run_loggers
+from template.engine.logs.console import ThroughputLog, first_lines
 from template.engine.resume import checkpoints
-from template.engine.resume.continuation import Run, continue_run, periodic_checkpoint
+from template.engine.resume.continuation import Run, continue_run
 from template.engine.resume.states import RNGStateCheckpoint
-from template.engine.runs import LOGS, configs, evaluations, folder, run_dir
+from template.engine.runs import folder, run_dir
 from template.engine.runs.folder import RunConfigCallback, RunFolders, RunOptions, newest_under, run_folder_arguments
-from template.engine.runs.provenance import Provenance
-from template.engine.runs.remote import RemoteRoot, is_remote
+from template.engine.runs.remote import is_remote
 from template.engine.store import atomic_write, prove_writable
 from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config, devices, fsdp  # registers dp, fsdp
 from template.engine.strategies.compile import CompileNetwork
-from template.engine.strategies.ema import EMAOptions, ema_callbacks
+from template.engine.strategies.ema import EMAOptions
 from template.engine.strategies.scaling import BatchScaling
 
 # The example the command line runs unless a config names another LightningModule or DataModule.
@@ -223,7 +221,7 @@ class CLI(LightningCLI):
                 trainer = super().instantiate_trainer(**kwargs)
             self.folders.trainer = trainer  # main asks it what ended the job, and whether training started
             devices.apply_matmul_precision(built.get("float32_matmul_precision"), trainer)
-            users = {id(c) for c in _listed(trainer_config.get("callbacks"))}
+            users = {id(c) for c in listed(trainer_config.get("callbacks"))}
             for callback in trainer.callbacks:
                 if id(callback) not in users:
                     internals.skip_idle_step_hooks(callback)
@@ -396,198 +394,6 @@ def _attribute(name: str, data: LightningDataModule) -> Any:
     """The data module's ``name``, if it has one: a link (a partial, not a closure: ``ddp_spawn`` pickles links)."""
     value = getattr(data, name, None)
     return list(value) if isinstance(value, tuple) else value
-
-
-def loggers(
-    trainer_config: dict[str, Any], run: Run, trackers: list[Any], config: Any, remote: RemoteRoot | None, stage: str
-) -> dict[str, Any]:
-    """The ``logger`` argument: CSV (first: its folder is the run's), TensorBoard, then the trackers (a restarted
-    run's continuing their tracker runs); {} keeps the config's. On object storage (``remote``) each save uploads.
-    validate, test and predict (``stage``) log beside the run of their checkpoint, in ``<stage>/version_<n>``."""
-    trackers = tracking.resume_trackers(trackers, config.get("trackers") or [], run.directory)
-    logger = trainer_config.get("logger")
-    if logger in (None, True):
-        root = str(remote.local) if remote is not None else trainer_config.get("default_root_dir")
-        if stage != "fit":
-            root = str(evaluations(root, config.get("ckpt_path")))
-        made = run_loggers(root, LOGS if stage == "fit" else stage, run.name, run.resume, run.resume_step)
-        for each in made if remote is not None and run.directory is not None else []:
-            each.after_save = functools.partial(remote.sync, run.directory)
-        return {"logger": [*made, *trackers]}
-    if not trackers:
-        return {}
-    if logger is False:
-        raise ConfigError("trackers are set but trainer.logger is false; remove `trainer.logger: false` to log to them")
-    return {"logger": [*_listed(logger), *trackers]}
-
-
-def plugins(trainer_config: dict[str, Any], remote: RemoteRoot | None = None) -> dict[str, Any]:
-    """The ``plugins`` argument: atomic checkpoint writes (uploaded on object storage), unless the config lists some."""
-    return {"plugins": [checkpoints.AtomicCheckpointIO(remote)]} if trainer_config.get("plugins") is None else {}
-
-
-def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatchdog | None) -> dict[str, Any]:
-    """The ``strategy`` argument with the watchdog's timeout for its process group; {} keeps the config's. ``fsdp`` is
-    built here (Lightning refuses the name on CPUs); a process-group strategy given by class_path (``configured``)
-    with Lightning's default timeout is built again with the watchdog's."""
-    chosen = trainer_config.get("strategy")
-    timeout = {"timeout": timedelta(seconds=watchdog.timeout)} if watchdog is not None else {}
-    if chosen == FSDP2Strategy.strategy_name:
-        return {"strategy": FSDP2Strategy(**timeout)}
-    if not (timeout and isinstance(chosen, internals.PROCESS_GROUP_STRATEGIES) and isinstance(configured, Namespace)):
-        return {}
-    init_args = configured.init_args.as_dict() if configured.get("init_args") else {}
-    if init_args.get("timeout") != default_pg_timeout:
-        return {}
-    if any(isinstance(value, dict) for value in init_args.values()):  # objects the config holds only as classes
-        rank_zero_warn(
-            f"trainer.strategy ({type(chosen).__name__}) is built from objects of its own: its process group keeps "
-            f"Lightning's timeout ({default_pg_timeout}); set trainer.strategy.init_args.timeout to bound a hang"
-        )
-        return {}
-    return {"strategy": type(chosen)(**{**init_args, **timeout})}
-
-
-@contextlib.contextmanager
-def process_group_timeout(watchdog: HangWatchdog | None) -> Iterator[None]:
-    """While the Trainer is built, the process-group strategies Lightning builds from a name (ddp, which "auto" picks
-    for several devices) get the watchdog's timeout through their StrategyRegistry entries, unless one sets its own."""
-    if watchdog is None:
-        yield
-        return
-    timeout = timedelta(seconds=watchdog.timeout)
-    entries = {
-        name: entry
-        for name, entry in StrategyRegistry.items()
-        if issubclass(entry["strategy"], internals.PROCESS_GROUP_STRATEGIES) and "timeout" not in entry["init_params"]
-    }
-    try:
-        for name, entry in entries.items():
-            StrategyRegistry[name] = {**entry, "init_params": {**entry["init_params"], "timeout": timeout}}
-        yield
-    finally:
-        StrategyRegistry.update(entries)
-
-
-def callbacks(
-    trainer_config: dict[str, Any],
-    subcommand: str,
-    run: Run,
-    monitor: str | None,
-    ema: Any = None,
-    trackers: list[Any] | None = None,
-) -> dict[str, Any]:
-    """The ``callbacks`` argument: the config's, a quieter progress bar, and for fit what a run needs of its own."""
-    configured = _listed(trainer_config.get("callbacks"))
-    added: list[Callback] = []
-    if trainer_config.get("enable_progress_bar") is not False and not any(
-        isinstance(c, ProgressBar) for c in configured
-    ):
-        # Lightning's default bar redraws after every step, which costs more than a small model's step.
-        added.append(TimedProgressBar(refresh_rate=10))
-    if subcommand == "fit":
-        fsdp.check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
-        monitors = {"checkpoint.monitor": monitor} if monitor else {}
-        for index, callback in enumerate(configured):  # those that stop a run on a missing metric (EarlyStopping)
-            if isinstance(metric := getattr(callback, "monitor", None), str) and getattr(callback, "strict", True):
-                monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
-        tracked = tracking.has_trackers([*(trackers or []), *_listed(trainer_config.get("logger"))])
-        added += [MonitorCheck(monitors)] if monitors else []
-        added += [tracking.TrackerRuns(configs)] if tracked else []
-        added += [LogsBeforeCheckpoints(), PaddedValidation()]
-        added += ema_callbacks(**vars(ema)) if ema is not None else []
-        # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.
-        preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
-        if not run.preemption:
-            defer_signals(False)  # the signals are Lightning's
-        added += [*preemption, Provenance(), *periodic_checkpoint(run)]
-    return {"callbacks": [*configured, *added]} if added else {}
-
-
-def _listed(value: Any) -> list[Any]:
-    """A config's callbacks or loggers as a list: it may give one, a list, or none."""
-    return value if isinstance(value, list) else [] if value is None else [value]
-
-
-class PredictionWriter(BasePredictionWriter):
-    """Saves the predictions with each sample's dataset index in one CSV file, ``path`` (else ``<log_dir>/
-    predictions.csv``), in the input's order: under DDP rank 0 writes every process's rows."""
-
-    def __init__(self, path: str | None = None) -> None:
-        super().__init__(write_interval="epoch")
-        self.given = path
-
-    def path(self, trainer: Trainer) -> Path:
-        return Path(self.given or Path(trainer.log_dir or trainer.default_root_dir) / "predictions.csv")
-
-    def write_on_epoch_end(
-        self, trainer: Trainer, pl_module: LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
-    ) -> None:
-        # Lightning nests both per dataloader, except predictions when there is a single dataloader.
-        if len(batch_indices) == 1:
-            predictions = [predictions]
-        rows = {
-            (loader, index): prediction
-            for loader, (batches, indices) in enumerate(zip(predictions, batch_indices, strict=True))
-            for batch, numbers in zip(batches, indices, strict=True)
-            for index, prediction in zip(numbers, batch.tolist(), strict=True)
-        }
-        if trainer.world_size > 1:  # each process predicted a share of the samples
-            shares: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(shares, rows)
-            rows = {key: prediction for share in shares for key, prediction in share.items()}
-        path = self.path(trainer)  # on every rank: the log folder is a broadcast
-        if trainer.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("w", newline="") as f:
-                csv.writer(f).writerows([("index", "prediction"), *((i, p) for (_, i), p in sorted(rows.items()))])
-
-
-class PaddedValidation(Callback):
-    """Says once when DDP's sampler repeats validation samples to give every process as many (719 -> 720): the
-    metrics count those twice. Lightning says so for ``validate`` and ``test``, not inside ``fit``."""
-
-    said = False
-
-    @override
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for loader in [] if self.said else _listed(trainer.val_dataloaders):
-            sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)  # a StatefulDataLoader's too
-            if isinstance(sampler, DistributedSampler) and (extra := sampler.total_size - len(sampler.dataset)) > 0:
-                self.said = True
-                rank_zero_info(
-                    f"Validation under DDP repeats {extra} of its {len(sampler.dataset)} samples (the "
-                    f"DistributedSampler gives each of the {sampler.num_replicas} processes as many): its metrics "
-                    "count them twice"
-                )
-
-
-@contextlib.contextmanager
-def quiet_libraries(*lines: str) -> Iterator[None]:
-    """Library warnings and tips with nothing for the user to do (Lightning's cloud adverts), and Lightning's info
-    ``lines`` (parts of them) that do not hold where this is used, silenced meanwhile."""
-    names = ("utilities.rank_zero", "tuner.batch_size_scaling", "trainer.connectors.checkpoint_connector")
-    loggers = [logging.getLogger(f"lightning.pytorch.{name}") for name in names]
-
-    def noise(record: logging.LogRecord) -> bool:
-        return not any(line in record.getMessage() for line in ("Tip: For seamless cloud", *lines))
-
-    for logger in loggers:
-        logger.addFilter(noise)
-    try:
-        with warnings.catch_warnings():
-            # Lightning trips over its own deprecation in torch's pytree, torchdata over torch's; evaluating a
-            # checkpoint logs into a new version folder, and Lightning warns that the old one is not reused.
-            for message in (
-                r".*isinstance\(treespec, LeafSpec\)",
-                r"'set_vital' is deprecated",
-                "The dirpath has changed from",
-            ):
-                warnings.filterwarnings("ignore", message=message)
-            yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(noise)
 
 
 def build_cli(
