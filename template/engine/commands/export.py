@@ -100,20 +100,18 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         raise ConfigError("--format onnx needs onnx, onnxscript and onnxruntime: pip install -e '.[onnx]'") from None
     target, x = _network(checkpoint_path, configs or [str(config_of(checkpoint_path))], prefix, module)
     with torch.no_grad():
-        names = list(_outputs(target, x))
-        # A dimension is dynamic where the net takes other sizes of it (not where a layer is sized by it).
-        dynamic = {d: f"size{d}" for d in range(1, x.dim()) if all(_runs(target, x, {d: n}) for n in _sizes(x, d))}
-    program = _traced(target, x, {0: "batch", **dynamic}, names)
-    # The example, a batch of 1 with the other dynamic dimensions smaller, and one with them larger.
-    inputs = [x, _resized(x, {0: 1, **{d: _sizes(x, d)[0] for d in dynamic}})]
-    inputs += [_resized(x, {d: _sizes(x, d)[1] for d in dynamic})] if dynamic else []
-    with torch.no_grad():
+        names, dynamic = list(_outputs(target, x)), _dynamic(target, x)
+        axes = {0: "batch", **{d: f"size{d}" for d in dynamic}}
+        program = _traced(target, x, axes, names)
+        # The example, a batch of 1 with the other dynamic dimensions smaller, and one with them larger.
+        inputs = [x, _resized(x, {0: 1, **{d: smaller for d, (smaller, _) in dynamic.items()}})]
+        inputs += [_resized(x, {d: larger for d, (_, larger) in dynamic.items()})] if dynamic else []
         error = max(_difference(program, target, b) for b in inputs)
     with disk_errors(output, kept="nothing was written at --output", option="--output"):
         output.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(output, lambda f: f.write(program.model_proto.SerializeToString()))
     shapes = f", at shapes {', '.join(str(tuple(b.shape)) for b in inputs)}" if dynamic else ""
-    shape = ", ".join({0: "batch", **dynamic}.get(d, str(n)) for d, n in enumerate(x.shape))
+    shape = ", ".join(axes.get(d, str(n)) for d, n in enumerate(x.shape))
     fixed = f", numbers where {type(target).__name__} takes no other size," if len(dynamic) + 1 < x.dim() else ""
     return (
         f"checked in ONNX Runtime on batches of {len(x)} and 1{shapes}: |difference| {error:.2g} (atol {ATOL}, rtol "
@@ -152,11 +150,6 @@ def _outputs(target: nn.Module, x: Tensor) -> dict[str, Tensor]:
     return {f"output_{name}" if isinstance(name, int) else str(name): tensor for name, tensor in named.items()}
 
 
-def _sizes(x: Tensor, dim: int) -> tuple[int, int]:
-    """A smaller and a larger size than ``x``'s along ``dim``."""
-    return max(1, x.shape[dim] // 2), x.shape[dim] + max(1, x.shape[dim] // 2)
-
-
 def _resized(x: Tensor, sizes: dict[int, int]) -> Tensor:
     """``x`` cut or repeated along each dimension to the size given: still values of the data (token ids stay ids)."""
     for dim, size in sizes.items():
@@ -164,10 +157,17 @@ def _resized(x: Tensor, sizes: dict[int, int]) -> Tensor:
     return x
 
 
-def _runs(target: nn.Module, x: Tensor, sizes: dict[int, int]) -> bool:
-    """Whether ``target`` runs on ``x`` resized to ``sizes``."""
+def _dynamic(target: nn.Module, x: Tensor) -> dict[int, tuple[int, int]]:
+    """The dimensions besides the batch that ``target`` takes other sizes of (not those a layer is sized by), each
+    with the smaller and the larger size it ran at."""
+    sizes = {d: (max(1, n // 2), n + max(1, n // 2)) for d, n in enumerate(x.shape) if d > 0}
+    return {d: other for d, other in sizes.items() if all(_runs(target, _resized(x, {d: n})) for n in other)}
+
+
+def _runs(target: nn.Module, x: Tensor) -> bool:
+    """Whether ``target`` runs on ``x``."""
     try:
-        target(_resized(x, sizes))
+        target(x)
     except Exception:  # a refusal, whatever the net raises, is the answer (the example's own sizes ran)
         return False
     return True
@@ -256,7 +256,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             checked = export_onnx(ckpt, output, configs, args.prefix, args.module)
             done = f", {checked}: onnxruntime.InferenceSession('{target}').run(None, {{'input': x}})"
         else:
-            export_weights(ckpt, output, args.prefix, args.ckpt_path)
+            state = extract_state_dict(checkpoints.load(ckpt), args.prefix, source=f"'{args.ckpt_path}'")
+            with disk_errors(output, kept="nothing was written at --output", option="--output"):
+                output.parent.mkdir(parents=True, exist_ok=True)
+                atomic_torch_save(state, output)  # atomic: a failed write leaves nothing at --output
             done = f": net.load_state_dict(torch.load('{target}', weights_only=True))"
         if is_remote(target):
             remote.upload(output, target)
@@ -275,11 +278,3 @@ def _local_inputs(args: argparse.Namespace, remote: RemoteRoot | None) -> tuple[
     if args.format == "onnx" and not args.config:
         return ckpt, [remote.download(str(config_of(args.ckpt_path)), "--config")]
     return ckpt, args.config or []
-
-
-def export_weights(checkpoint_path: str, output: Path, prefix: str, source: str) -> None:
-    """Write the bare network's state_dict at ``output``, atomically: a failed write leaves nothing there."""
-    state = extract_state_dict(checkpoints.load(checkpoint_path), prefix, source=f"'{source}'")
-    with disk_errors(output, kept="nothing was written at --output", option="--output"):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(state, output)
