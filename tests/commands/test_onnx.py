@@ -68,6 +68,11 @@ def test_example_exports_with_a_dynamic_batch_checked_in_onnx_runtime(tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Wrote out/net.onnx, checked in ONNX Runtime on batches of 64 and 1" in done.stdout, done.stdout
     assert "atol 0.0001" in done.stdout
+    # The batch is dynamic; the MLP's layers are sized by the other dimensions, which keep the example's sizes.
+    net = "Classifier" if module else "MLP"
+    assert f"it takes 'input' (batch, 1, 8, 8), numbers where {net} takes no other size, and gives output" in (
+        done.stdout
+    )
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["net.onnx"]  # one file, no temporary left
 
     # Served without the project: ONNX Runtime alone, batches of sizes the export never saw.
@@ -75,6 +80,7 @@ def test_example_exports_with_a_dynamic_batch_checked_in_onnx_runtime(tmp_path: 
     assert [i.name for i in session.get_inputs()] == ["input"]
     assert [o.name for o in session.get_outputs()] == ["output"]  # not the last operator's name (squeeze)
     assert isinstance(session.get_inputs()[0].shape[0], str)  # a symbolic batch dimension
+    assert session.get_inputs()[0].shape[1:] == [1, 8, 8]
     for batch in (1, 3, 100):
         x = torch.rand(batch, 1, 8, 8)
         with torch.no_grad():
@@ -233,3 +239,31 @@ def test_a_net_returning_what_onnx_cannot_name_is_one_line(tmp_path: Path, run_m
     assert "Nested returns a tuple of ['Tensor', 'dict']" in line, line
     assert "a tensor, or a tuple, list or dict of tensors" in line and "--format weights" in line, line
     assert not list(tmp_path.glob("*.onnx*"))
+
+
+class SizeBranch(nn.Module):
+    """A network that takes any width but branches on it: torch.export keeps the branch the example took."""
+
+    def __init__(self, input_shape: list[int], num_classes: int, sign: float = -1.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, num_classes)
+        self.sign = sign
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.linear(x.mean(-1).flatten(1))
+        return logits if x.shape[-1] > 4 else self.sign * logits
+
+
+@pytest.mark.slow  # an export
+@pytest.mark.timeout(120)
+def test_a_graph_that_holds_only_for_some_sizes_is_refused_in_one_line(tmp_path: Path, run_main) -> None:  # noqa: ANN001
+    _needs_the_extra()
+    _checkpoint(tmp_path / "last.ckpt", SizeBranch([1, 8, 8], 10))
+    (tmp_path / "branch.yaml").write_text(
+        "model:\n  init_args:\n    net:\n      class_path: tests.commands.test_onnx.SizeBranch\n"
+    )
+    config = ["--config", CONFIGS / "default.yaml", "--config", "branch.yaml"]
+    line = _one_line(run_main("export", "last.ckpt", "--format", "onnx", *config))
+    # Checked at half the example's width, where PyTorch takes the other branch.
+    assert "ONNX Runtime's 'output' differs from PyTorch's by" in line and "(1, 1, 8, 4)" in line, line
+    assert "nothing was written" in line and not list(tmp_path.glob("*.onnx*"))

@@ -168,6 +168,7 @@ class Recorded(LightningModule):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpec\)")  # Lightning on torch's pytree
 def test_the_plotted_loss_is_the_loss_measured(tmp_path: Path) -> None:
     # Lightning's finder keeps a running mean whose first value is half the first loss; the plot shows the losses.
     model = Recorded()

@@ -194,13 +194,17 @@ def _difference(program: Any, target: nn.Module, x: Tensor) -> float:
         got = program(x)
     except Exception as err:  # onnxruntime's own types: a size the graph does not take after all
         raise ConfigError(
-            f"ONNX Runtime refuses {tuple(x.shape)}, which PyTorch takes: {one_line(str(err))[:300]}"
+            f"ONNX Runtime refuses an input of shape {tuple(x.shape)}, which PyTorch takes: "
+            f"{one_line(str(err))[:300]}; nothing was written"
         ) from None
     worst = 0.0
     for (name, want), have in zip(_outputs(target, x).items(), got, strict=True):
         difference = float((have.double() - want.double()).abs().max()) if have.shape == want.shape else math.inf
         if not difference <= ATOL + RTOL * float(want.double().abs().max()):
-            raise ConfigError(f"ONNX Runtime's '{name}' differs from PyTorch's by {difference:.3g} on {tuple(x.shape)}")
+            raise ConfigError(
+                f"ONNX Runtime's '{name}' differs from PyTorch's by {difference:.3g} on an input of shape "
+                f"{tuple(x.shape)}; nothing was written"
+            )
         worst = max(worst, difference)
     return worst
 
