@@ -36,14 +36,16 @@ FINDER_LINES = ("`Trainer.fit` stopped", "`weights_only` was not", "Restoring st
 
 
 class _OneDevice(FitConfig):
-    """The fit config's Trainer on one device: Lightning's batch-size finder refuses distributed strategies."""
+    """The fit config's Trainer on one device (Lightning's batch-size finder refuses distributed strategies), for as
+    many epochs as the finder's steps take."""
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         devices, nodes = self.config.get("trainer.devices"), self.config.get("trainer.num_nodes")
         one = gpu_indices(devices, 1)[:1] if isinstance(devices, list) else 1  # the first GPU listed, else one device
         if nodes != 1 or self.config.get("trainer.strategy") != "auto" or gpu_count(devices) not in (1, None):
             rank_zero_info("tune: the config trains on several devices; the finder runs on one (one process' batch)")
-        return CLI.instantiate_trainer(self, devices=one, num_nodes=1, strategy="auto", **kwargs)
+        # The finders stop by steps; the config's epochs would cut a small data set's learning-rate curve short.
+        return CLI.instantiate_trainer(self, devices=one, num_nodes=1, strategy="auto", max_epochs=-1, **kwargs)
 
 
 def main(argv: list[str]) -> None:
