@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import io
 import logging
+import math
 import os
 import re
 import warnings
@@ -24,7 +25,7 @@ from template.engine.errors import ConfigError, disk_errors, one_line
 from template.engine.resume import checkpoints
 from template.engine.runs import config_of
 from template.engine.runs.remote import RemoteRoot, is_remote
-from template.engine.store import atomic_torch_save
+from template.engine.store import atomic_torch_save, atomic_write
 
 # Where the Classifier keeps its network: Lightning saves its weights as "net.<name>".
 DEFAULT_PREFIX = "net."
@@ -90,13 +91,37 @@ class FitConfig(CLI):
 
 
 def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: str, module: bool) -> str:
-    """Write the net at ``prefix`` (or the module) as ONNX, checked in ONNX Runtime; the line saying how well."""
+    """Write the net at ``prefix`` (or the module) as ONNX, every output checked in ONNX Runtime against PyTorch's,
+    on the example input and at other sizes of its dynamic dimensions; the line saying how well, and what it takes."""
     try:
-        import onnxruntime
+        import onnxruntime  # noqa: F401 - ONNXProgram runs the graph in it
         import onnxscript  # noqa: F401 - torch.onnx's exporter needs it
     except ImportError:
         raise ConfigError("--format onnx needs onnx, onnxscript and onnxruntime: pip install -e '.[onnx]'") from None
-    configs = configs or [str(config_of(checkpoint_path))]
+    target, x = _network(checkpoint_path, configs or [str(config_of(checkpoint_path))], prefix, module)
+    with torch.no_grad():
+        names, dynamic = list(_outputs(target, x)), _dynamic(target, x)
+        axes = {0: "batch", **{d: f"size{d}" for d in dynamic}}
+        program = _traced(target, x, axes, names)
+        # The example, a batch of 1 with the other dynamic dimensions smaller, and one with them larger.
+        inputs = [x, _resized(x, {0: 1, **{d: smaller for d, (smaller, _) in dynamic.items()}})]
+        inputs += [_resized(x, {d: larger for d, (_, larger) in dynamic.items()})] if dynamic else []
+        error = max(_difference(program, target, b) for b in inputs)
+    with disk_errors(output, kept="nothing was written at --output", option="--output"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(output, lambda f: f.write(program.model_proto.SerializeToString()))
+    shapes = f", at shapes {', '.join(str(tuple(b.shape)) for b in inputs)}" if dynamic else ""
+    shape = ", ".join(axes.get(d, str(n)) for d, n in enumerate(x.shape))
+    fixed = f", numbers where {type(target).__name__} takes no other size," if len(dynamic) + 1 < x.dim() else ""
+    return (
+        f"checked in ONNX Runtime on batches of {len(x)} and 1{shapes}: |difference| {error:.2g} (atol {ATOL}, rtol "
+        f"{RTOL}); it takes 'input' ({shape}){fixed} and gives {', '.join(names)}"
+    )
+
+
+def _network(checkpoint_path: str, configs: list[str], prefix: str, module: bool) -> tuple[nn.Module, Tensor]:
+    """The net at ``prefix`` (or the module) that the run's config builds, with the checkpoint's weights, in eval
+    mode, and the example input: one batch of the config's DataModule."""
     if not Path(configs[0]).is_file():
         raise ConfigError(f"no config.yaml in the run folder of '{checkpoint_path}'; pass the run's --config")
     state = extract_state_dict(checkpoints.load(checkpoint_path), "", source=f"'{checkpoint_path}'")
@@ -106,35 +131,82 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
     except RuntimeError as err:
         raise ConfigError(f"'{checkpoint_path}' does not fit the config's model: {one_line(str(err))[:300]}") from None
     target = (cli.model if module else cli.model.get_submodule(prefix.rstrip("."))).cpu().eval()
-    x = _example_input(cli.datamodule).cpu()
+    return target, _example_input(cli.datamodule).cpu()
+
+
+def _outputs(target: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """What ``target`` returns on ``x`` by its names in the graph: ``output``, a tuple's ``output_0``, ``output_1``,
+    ..., or a dict's keys (in its order, which torch.export keeps)."""
+    value = target(x)
+    named = {"output": value} if isinstance(value, Tensor) else value if isinstance(value, Mapping) else {}
+    named = dict(enumerate(value)) if isinstance(value, (tuple, list)) else named
+    if not named or not all(isinstance(tensor, Tensor) for tensor in named.values()):
+        kinds = sorted({type(v).__name__ for v in named.values()})
+        raise ConfigError(
+            f"{type(target).__name__} returns a {type(value).__name__}{f' of {kinds}' * bool(kinds)}; --format onnx "
+            "exports a tensor, or a tuple, list or dict of tensors: return those from forward, or export the weights "
+            "(--format weights)"
+        )
+    return {f"output_{name}" if isinstance(name, int) else str(name): tensor for name, tensor in named.items()}
+
+
+def _resized(x: Tensor, sizes: dict[int, int]) -> Tensor:
+    """``x`` cut or repeated along each dimension to the size given: still values of the data (token ids stay ids)."""
+    for dim, size in sizes.items():
+        x = x.repeat(*[-(-size // x.shape[dim]) if d == dim else 1 for d in range(x.dim())]).narrow(dim, 0, size)
+    return x
+
+
+def _dynamic(target: nn.Module, x: Tensor) -> dict[int, tuple[int, int]]:
+    """The dimensions besides the batch that ``target`` takes other sizes of (not those a layer is sized by), each
+    with the smaller and the larger size it ran at."""
+    sizes = {d: (max(1, n // 2), n + max(1, n // 2)) for d, n in enumerate(x.shape) if d > 0}
+    return {d: other for d, other in sizes.items() if all(_runs(target, _resized(x, {d: n})) for n in other)}
+
+
+def _runs(target: nn.Module, x: Tensor) -> bool:
+    """Whether ``target`` runs on ``x``."""
+    try:
+        target(x)
+    except Exception:  # a refusal, whatever the net raises, is the answer (the example's own sizes ran)
+        return False
+    return True
+
+
+def _traced(target: nn.Module, x: Tensor, dynamic: dict[int, str], names: list[str]) -> Any:
+    """torch.onnx's program of ``target`` with the ``dynamic`` dimensions named; a ConfigError naming what stops it."""
     logger, quiet = logging.getLogger("torch"), io.StringIO()
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:  # torch.export prints its graphs when it fails, and warns of torchvision's operators
         with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                target, (x,), dynamic_shapes=({0: "batch"},), input_names=["input"], output_names=["output"]
-            )
+            return torch.onnx.export(target, (x,), dynamic_shapes=(dynamic,), input_names=["input"], output_names=names)
     except torch.onnx.OnnxExporterError as err:
         raise ConfigError(f"{type(target).__name__} cannot be exported to ONNX: {_construct(err)}") from None
     finally:
         logger.setLevel(level)
-    temporary = output.with_name(f".{output.name}.export")
-    with disk_errors(output, kept="nothing was written at --output", option="--output"):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        program.save(temporary, external_data=False)
-        try:
-            session = onnxruntime.InferenceSession(str(temporary), providers=["CPUExecutionProvider"])
-            with torch.no_grad():  # two batch sizes: the batch dimension must be dynamic
-                pairs = [(session.run(None, {"input": b.numpy()})[0], target(b).numpy()) for b in (x, x[:1])]
-            error = max(float(abs(got - want).max()) for got, want in pairs)
-            if any(abs(got - want).max() > ATOL + RTOL * abs(want).max() for got, want in pairs):
-                raise ConfigError(f"ONNX Runtime's output differs from PyTorch's by {error:.3g}; nothing was written")
-            os.replace(temporary, output)
-        finally:
-            temporary.unlink(missing_ok=True)
-    return f"checked in ONNX Runtime on batches of {len(x)} and 1: |difference| {error:.2g} (atol {ATOL}, rtol {RTOL})"
+
+
+def _difference(program: Any, target: nn.Module, x: Tensor) -> float:
+    """The largest |ONNX Runtime - PyTorch| over the outputs on ``x``; a ConfigError where one is out of tolerance."""
+    try:
+        got = program(x)
+    except Exception as err:  # onnxruntime's own types: a size the graph does not take after all
+        raise ConfigError(
+            f"ONNX Runtime refuses an input of shape {tuple(x.shape)}, which PyTorch takes: "
+            f"{one_line(str(err))[:300]}; nothing was written"
+        ) from None
+    worst = 0.0
+    for (name, want), have in zip(_outputs(target, x).items(), got, strict=True):
+        difference = float((have.double() - want.double()).abs().max()) if have.shape == want.shape else math.inf
+        if not difference <= ATOL + RTOL * float(want.double().abs().max()):
+            raise ConfigError(
+                f"ONNX Runtime's '{name}' differs from PyTorch's by {difference:.3g} on an input of shape "
+                f"{tuple(x.shape)}; nothing was written"
+            )
+        worst = max(worst, difference)
+    return worst
 
 
 def _example_input(datamodule: LightningDataModule) -> Tensor:
@@ -182,24 +254,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         (RemoteRoot(url.rsplit("/", 1)[0], option="export") for url in (args.ckpt_path, target) if is_remote(url)), None
     )
     try:
-        ckpt, configs = args.ckpt_path, args.config or []
-        if is_remote(ckpt):  # read from object storage; the run's config.yaml too, for onnx
-            ckpt = remote.download(args.ckpt_path, "export's CKPT")
-            if args.format == "onnx" and not configs:
-                configs = [remote.download(str(config_of(args.ckpt_path)), "--config")]
+        ckpt, configs = _local_inputs(args, remote)
         output = Path(remote.fetched / "export" / Path(target).name) if is_remote(target) else Path(target)
         if args.format == "onnx":
             checked = export_onnx(ckpt, output, configs, args.prefix, args.module)
-            done = f"{checked}: onnxruntime.InferenceSession('{target}').run(None, {{'input': x}})"
+            done = f", {checked}: onnxruntime.InferenceSession('{target}').run(None, {{'input': x}})"
         else:
             state = extract_state_dict(checkpoints.load(ckpt), args.prefix, source=f"'{args.ckpt_path}'")
             with disk_errors(output, kept="nothing was written at --output", option="--output"):
                 output.parent.mkdir(parents=True, exist_ok=True)
                 atomic_torch_save(state, output)  # atomic: a failed write leaves nothing at --output
-            done = f"net.load_state_dict(torch.load('{target}', weights_only=True))"
+            done = f": net.load_state_dict(torch.load('{target}', weights_only=True))"
         if is_remote(target):
             remote.upload(output, target)
     finally:
         if remote is not None:
             remote.close()
-    print(f"Wrote {target}, {done}" if args.format == "onnx" else f"Wrote {target}: {done}")
+    print(f"Wrote {target}{done}")
+
+
+def _local_inputs(args: argparse.Namespace, remote: RemoteRoot | None) -> tuple[str, list[str]]:
+    """The checkpoint and the config files, downloaded where CKPT is on object storage (its run's config.yaml too,
+    for onnx)."""
+    if remote is None or not is_remote(args.ckpt_path):
+        return args.ckpt_path, args.config or []
+    ckpt = remote.download(args.ckpt_path, "export's CKPT")
+    if args.format == "onnx" and not args.config:
+        return ckpt, [remote.download(str(config_of(args.ckpt_path)), "--config")]
+    return ckpt, args.config or []
