@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,18 +35,29 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.demos import boring_classes
 from torch import Tensor, nn
 
-from tests.conftest import CONFIGS, PACKAGE, TESTS, ForkServer, made_once
-from tests.resume.test_exact_resume import Cell, _differences, _env, _last, _start, _training_state
-from tests.user_code import vision
+from tests.conftest import CONFIGS, PACKAGE, TESTS, ForkServer, finish, made_once
+from tests.resume.test_exact_resume import Cell, _differences, _env, _last, _training_state
+from tests.user_code import prototype, tabular, text, timeseries, vision
 
 USER_CODE = TESTS / "user_code"
-# What every command of the zoo adds to the user's own arguments: the CPU, no bar, the run's folder lightning_logs/r.
+# What every command of the zoo adds to the user's own arguments: the CPU, no bar, no summary; a fit runs in
+# lightning_logs/r.
 COMMON = ("--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
 RUN = "--run.name=r"
 CELLS = ("fit", "ddp", "stop", "validate", "test", "predict", "export", "onnx", "tune", "sweep", "cv")
 NEEDS_OPTUNA = "the sweep extra is not installed: pip install -e '.[sweep]'"
+# Seconds a command may take: a healthy fit takes 5-15 s here, one on 2 DDP processes 20-40 s, a sweep or cv of two
+# fits 30-60 s. A command past it fails its test: a parse that never ends is a failure, not a wait.
+WAIT, SWEEP_WAIT = 300, 600
+
+
+def _bound(commands: int, sweeps: int = 0) -> pytest.MarkDecorator:
+    """A test's own bound, past the waits of its ``commands`` (the project's shared fit among them) and ``sweeps``:
+    a command that hangs is ended by its wait, not by the suite's timeout, which would leave it running."""
+    return pytest.mark.timeout(commands * WAIT + sweeps * SWEEP_WAIT + 60)
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,8 @@ def _config(name: str) -> tuple[str, ...]:
     return ("--config", str(USER_CODE / f"{name}.yaml"))
 
 
+BORING = "lightning.pytorch.demos.boring_classes."
+NO_ARGUMENTS = "no argument of theirs to search: every size is written in the code"
 PROJECTS: dict[str, Project] = {
     "vision": Project(
         _config("vision"),
@@ -87,8 +101,46 @@ PROJECTS: dict[str, Project] = {
         steps=3 * 14, stop_batch=7, metric="val_acc", good=0.6, test_metric="test_acc", test_good=0.6, batch=32,
         prefix="", onnx_module=True, lr="model.init_args.lr", columns=("shape", "area"),
     ),
+    "text": Project(
+        _config("text"),
+        lambda work: (text.ReviewClassifier(), text.Reviews()),
+        steps=3 * 23, stop_batch=11, metric="val_f1", good=0.75, test_metric="test_f1", test_good=0.75, batch=32,
+        prefix="encoder.", lengths=True, lr="model.init_args.lr",
+    ),
+    "tabular": Project(
+        (
+            "--model=user_code.tabular.TabularClassifier", "--model.net=user_code.tabular.TabularNet",
+            "--data=user_code.tabular.TabularData", "--model.optimizer=torch.optim.SGD",
+            "--model.optimizer.init_args.lr=0.05", "--model.optimizer.init_args.momentum=0.9",
+            "--trainer.max_epochs=3", "--checkpoint.monitor=val_acc", "--checkpoint.mode=max",
+        ),
+        lambda work: (tabular.TabularClassifier(tabular.TabularNet((6,), 2)), tabular.TabularData()),
+        steps=3 * 11, stop_batch=5, metric="val_acc", good=0.8, test_metric="test_acc", test_good=0.8, batch=24,
+        lr="model.init_args.optimizer.init_args.lr",
+    ),
+    "timeseries": Project(
+        _config("timeseries"),
+        lambda work: (timeseries.Forecaster(), timeseries.SensorWindows()),
+        steps=3 * 22, stop_batch=11, metric="val_mae", good=0.5, mode="min", test_metric="test_mae", test_good=0.5,
+        batch=48, prefix="model.", lr="model.init_args.lr", columns=6,
+        absent={"cv": "a chronological split: k folds would validate on readings older than those they train on"},
+    ),
+    "prototype": Project(
+        _config("prototype"),
+        lambda work: (prototype.Prototype(), prototype.Spirals()),
+        steps=3 * 40, stop_batch=20, metric="val_acc", good=0.8, monitored=False, prefix="layers.", columns=2,
+        absent={"test": "no test_step: nothing is tested yet", "sweep": NO_ARGUMENTS},
+    ),
+    "boring": Project(
+        (f"--model={BORING}BoringModel", f"--data={BORING}BoringDataModule", "--trainer.max_epochs=2"),
+        lambda work: (boring_classes.BoringModel(), boring_classes.BoringDataModule()),
+        steps=2 * 64, stop_batch=30, prefix="layer.", columns=2,
+        # BoringDataModule draws its samples from torch's global generator when it is built.
+        seeded_data=False,
+        absent={"sweep": NO_ARGUMENTS},
+    ),
 }  # fmt: skip
-FAST = {("fit", "vision"), ("predict", "vision")}
+FAST = {("fit", "vision"), ("fit", "text"), ("predict", "vision"), ("predict", "text")}
 
 
 def _cells(cell: str) -> list[Any]:
@@ -108,12 +160,21 @@ def fit_args(name: str, *extra: str, ddp: bool = False) -> list[str]:
     return ["fit", *PROJECTS[name].args, *stacked, *COMMON, RUN, *extra]
 
 
-def run(work: Path, args: list[str], server: ForkServer | None = None) -> tuple[int, str]:
-    """Run ``python -m template *args`` in ``work`` (a forked child of ``server``, else a fresh interpreter), bounded
-    by the exact-resume matrix's wait: its exit code and output (also appended to ``work/run.log``)."""
+def run(work: Path, args: list[str], server: ForkServer | None = None, wait: float = WAIT) -> tuple[int, str]:
+    """Run ``python -m template *args`` in ``work`` (a forked child of ``server``, else a fresh interpreter in a session
+    of its own), failing the test after ``wait`` s: its exit code and output (also appended to ``work/run.log``)."""
     log = work / "run.log"
     before = log.stat().st_size if log.exists() else 0
-    code = _start([sys.executable, "-m", PACKAGE, *map(str, args)], work, _env(work), server)
+    env = _env(work)  # the tests' helpers and user code on the path, a free port for DDP
+    if server is not None:
+        code = server.run(list(map(str, args)), work, env, log, wait)
+    else:
+        with log.open("a") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", PACKAGE, *map(str, args)], cwd=work, env=env, stdout=out,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        code = finish(proc, wait, log=log)
     with log.open("rb") as f:
         f.seek(before)
         return code, f.read().decode(errors="replace")
@@ -137,7 +198,8 @@ def _once(factory: pytest.TempPathFactory, key: str, make: Callable[[Path], None
         try:
             make(folder)
         except BaseException as err:  # pytest.fail's too
-            failed.write_text(str(err)[-4000:])
+            message = str(err)  # its first line says what happened, its end the command's last lines
+            failed.write_text(message if len(message) < 4000 else f"{message[:1000]}\n...\n{message[-3000:]}")
             raise
 
     return made_once(factory, key, attempt)
@@ -318,6 +380,7 @@ def _in_process(
 
 
 # -- the cells ---------------------------------------------------------------------------------------------------------
+@_bound(1)
 @pytest.mark.parametrize("name", _cells("fit"))
 def test_fit(name: str, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> None:
     project = PROJECTS[name]
@@ -333,6 +396,7 @@ def test_fit(name: str, tmp_path_factory: pytest.TempPathFactory, fork_server: F
     _check_users_defaults(name, yaml.safe_load((run_dir / "config.yaml").read_text()), work)
 
 
+@_bound(2)
 @pytest.mark.parametrize("name", _cells("ddp"))
 def test_fit_on_2_ddp_processes(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
@@ -357,6 +421,7 @@ def test_fit_on_2_ddp_processes(
         _learned(project, _values(metrics, project.metric)[-1], project.good, project.metric)
 
 
+@_bound(4)
 @pytest.mark.parametrize("name", _cells("stop"))
 def test_a_sigterm_to_the_group_mid_epoch_then_the_same_command_ends_exactly(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
@@ -368,6 +433,7 @@ def test_a_sigterm_to_the_group_mid_epoch_then_the_same_command_ends_exactly(
     stop_and_continue(args, cell, tmp_path, reference, fork_server)
 
 
+@_bound(2)
 @pytest.mark.parametrize("name", _cells("validate"))
 def test_validate(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> None:
     project = PROJECTS[name]
@@ -375,7 +441,6 @@ def test_validate(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFa
     code, output = run(tmp_path, ["validate", *project.args, *COMMON, "--ckpt_path", checkpoint], fork_server)
     assert code == 0 and "Traceback" not in output, f"exit {code}:\n{output[-4000:]}"
     logged = tmp_path / "lightning_logs" / "r" / "validate" / "version_0" / "metrics.csv"
-    assert logged.is_file(), output[-3000:]
     if project.metric:  # the checkpoint scores what the fit logged at its last validation
         fit = [row for row in _rows(tmp_path / "lightning_logs" / "r" / "metrics.csv") if row.get(project.metric)][-1]
         (validated,) = _rows(logged)
@@ -383,6 +448,7 @@ def test_validate(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFa
             assert math.isclose(float(validated[key]), float(fit[key]), rel_tol=1e-6), (key, validated, fit)
 
 
+@_bound(2)
 @pytest.mark.parametrize("name", _cells("test"))
 def test_test(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> None:
     project = PROJECTS[name]
@@ -390,12 +456,12 @@ def test_test(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactor
     code, output = run(tmp_path, ["test", *project.args, *COMMON, "--ckpt_path", checkpoint], fork_server)
     assert code == 0 and "Traceback" not in output, f"exit {code}:\n{output[-4000:]}"
     logged = tmp_path / "lightning_logs" / "r" / "test" / "version_0" / "metrics.csv"
-    assert logged.is_file(), output[-3000:]
     if project.test_metric:
         (tested,) = _values(logged, project.test_metric)
         _learned(project, tested, project.test_good, project.test_metric)
 
 
+@_bound(2)
 @pytest.mark.parametrize("name", _cells("predict"))
 def test_predict(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> None:
     project = PROJECTS[name]
@@ -433,6 +499,7 @@ def _fresh_net(name: str, work: Path) -> nn.Module:
     return module.get_submodule(prefix.rstrip(".")) if prefix else module
 
 
+@_bound(2)
 @pytest.mark.parametrize("name", _cells("export"))
 def test_export_weights_load_into_the_net(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
@@ -465,6 +532,7 @@ def _inputs(name: str, data: LightningDataModule) -> list[Tensor]:
     return shapes
 
 
+@_bound(2)
 @pytest.mark.parametrize("name", _cells("onnx"))
 def test_export_onnx_checks_every_output(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
@@ -501,25 +569,27 @@ def _at(config: dict, option: str) -> Any:
     return config
 
 
+@_bound(3)
 @pytest.mark.parametrize("name", _cells("tune"))
-def test_tune_lr_writes_a_rate_that_trains_or_refuses_in_one_line(
+def test_tune_lr_writes_a_rate_that_trains_or_one_line_saying_no_option_sets_it(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
 ) -> None:
+    """A module whose rate no option sets is refused in one line; one that trains at its own rate has a stretch of
+    the finder's range where its loss falls, so the finder's defaults suggest a rate there, which trains as well."""
     pytest.importorskip("matplotlib", reason=NEEDS_OPTUNA)
     project = PROJECTS[name]
     _parses(name, tmp_path_factory, fork_server)
     code, output = run(tmp_path, ["tune", "lr", *project.args, *COMMON], fork_server)
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    if code != 0 or project.lr is None:  # refused: one line, no config
+    if project.lr is None:
         assert code == 2 and len(errors) == 1 and "Traceback" not in output, f"exit {code}:\n{output[-3000:]}"
+        assert "not one option sets the learning rate" in errors[0], errors[0]
         assert not (tmp_path / "tune-lr.yaml").exists()
-        if project.lr is None:
-            assert "not one option sets the learning rate" in errors[0], errors[0]
-        else:  # the finder ran: its plot is there to look at
-            assert (tmp_path / "tune-lr.png").is_file(), errors[0]
         return
+    assert code == 0, f"exit {code}; the module trains at its own rate, the finder suggested none:\n{output[-3000:]}"
     found = re.search(r"Suggested learning rate: \S+ \((\S+)\)", output)
     assert found and found[1] == project.lr, output[-3000:]
+    assert (tmp_path / "tune-lr.png").is_file(), "the finder's curve, the suggestion marked on it"
     lr = _at(yaml.safe_load((tmp_path / "tune-lr.yaml").read_text()), project.lr)
 
     # The suggestion trains as well as the user's own rate, in as many epochs.
@@ -532,6 +602,7 @@ def test_tune_lr_writes_a_rate_that_trains_or_refuses_in_one_line(
     _learned(project, tuned, enough, f"{project.metric} at the suggested {lr:.3g} ({default:.4g} at the user's)")
 
 
+@_bound(1, sweeps=1)
 @pytest.mark.parametrize("name", _cells("sweep"))
 def test_a_2_trial_sweep_keeps_the_users_defaults_in_every_trial(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
@@ -544,17 +615,17 @@ def test_a_2_trial_sweep_keeps_the_users_defaults_in_every_trial(
     # The user's own rate first: that trial is the fit, to the same score.
     sweep = {"name": "s", "n_trials": 2, "space": space, "enqueue": [{project.lr: lr}, {project.lr: lr / 3}]}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({"sweep": sweep}))
-    code, output = run(tmp_path, ["sweep", *project.args, *COMMON, "--config", "sweep.yaml"], fork_server)
+    code, output = run(tmp_path, ["sweep", *project.args, *COMMON, "--config", "sweep.yaml"], fork_server, SWEEP_WAIT)
     assert code == 0 and "Traceback" not in output, f"exit {code}:\n{output[-4000:]}"
     folder = tmp_path / "lightning_logs" / "s"
     trials = _rows(folder / "trials.csv")
     assert [t["state"] for t in trials] == ["complete", "complete"], trials
     scores = []
     for trial, tried in zip(trials, (lr, lr / 3), strict=True):
-        config = yaml.safe_load(Path(f"{trial['folder']}.yaml").read_text())
+        config = yaml.safe_load((tmp_path / f"{trial['folder']}.yaml").read_text())
         assert math.isclose(_at(config, project.lr), tried), config
         _check_users_defaults(name, config, tmp_path, project.lr.replace(".init_args", ""))
-        scores.append(_best(project, Path(trial["folder"]) / "metrics.csv"))  # the trial's score: its best
+        scores.append(_best(project, tmp_path / trial["folder"] / "metrics.csv"))  # the trial's score: its best
         assert math.isclose(float(trial[project.metric]), scores[-1], rel_tol=1e-6), trial
     assert math.isclose(scores[0], _best(project, fitted / "lightning_logs" / "r" / "metrics.csv"), rel_tol=1e-6)
     best = yaml.safe_load((folder / "best.yaml").read_text())
@@ -563,6 +634,7 @@ def test_a_2_trial_sweep_keeps_the_users_defaults_in_every_trial(
     _check_users_defaults(name, best, tmp_path, project.lr.replace(".init_args", ""))
 
 
+@_bound(1, sweeps=1)
 @pytest.mark.parametrize("name", _cells("cv"))
 def test_a_2_fold_cv_or_one_line_saying_what_the_datamodule_lacks(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
@@ -570,7 +642,7 @@ def test_a_2_fold_cv_or_one_line_saying_what_the_datamodule_lacks(
     pytest.importorskip("optuna", reason=NEEDS_OPTUNA)
     project = PROJECTS[name]
     _parses(name, tmp_path_factory, fork_server)
-    code, output = run(tmp_path, ["cv", *project.args, *COMMON, "--cv.folds=2", "--cv.name=c"], fork_server)
+    code, output = run(tmp_path, ["cv", *project.args, *COMMON, "--cv.folds=2", "--cv.name=c"], fork_server, SWEEP_WAIT)
     _, data = project.build(tmp_path)
     if not {"fold", "num_folds"} <= set(inspect.signature(type(data).__init__).parameters):
         errors = [line for line in output.splitlines() if line.startswith("error:")]
@@ -594,9 +666,10 @@ def test_a_2_fold_cv_or_one_line_saying_what_the_datamodule_lacks(
 
 
 def test_the_zoo_says_why_each_missing_cell_is_missing() -> None:
-    """Every project has every cell, or a reason in the table; the projects are the kinds issue 51 lists."""
+    """Every project has every cell, or a reason in the table; the zoo keeps each kind of user project."""
     for name, project in PROJECTS.items():
         assert set(project.absent) <= set(CELLS), (name, project.absent)
         assert all(reason.strip() for reason in project.absent.values()), name
         assert (project.lr is None) == ("sweep" in project.absent), f"{name}: a sweep searches the learning rate"
+    assert {"vision", "text", "tabular", "timeseries", "prototype", "boring"} <= set(PROJECTS)
     assert {cell for cell, _ in FAST} == {"fit", "predict"}
