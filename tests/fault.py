@@ -31,8 +31,10 @@ MOMENTS = (
 class Fault(Callback):
     """Sends ``signal`` (a name: SIGTERM, SIGUSR1, SIGINT, SIGKILL) to this process at ``moment``, once.
 
-    ``ranks``: the global ranks that signal themselves (default: rank 0 only). ``once_file``: a file created when the
-    fault fires; while it exists the fault stays quiet, so that the same command, started again, runs through.
+    ``ranks``: the global ranks that signal themselves (default: rank 0 only). ``group``: the lowest of ``ranks`` sends
+    the signal to its whole process group instead (every DDP rank, DataLoader worker and the launcher, as a scheduler's
+    time limit or a terminal's Ctrl-C sends it). ``once_file``: a file created when the fault fires; while it exists
+    the fault stays quiet, so that the same command, started again, runs through.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class Fault(Callback):
         batch: int = 0,
         nth: int = 0,
         ranks: list[int] | None = None,
+        group: bool = False,
         once_file: str = "fault.fired",
     ) -> None:
         if moment not in MOMENTS:
@@ -53,6 +56,7 @@ class Fault(Callback):
         self.batch = batch
         self.nth = nth
         self.ranks = [0] if ranks is None else ranks
+        self.group = group
         self.once_file = Path(once_file)
         self._validations = 0
         self._checkpoints = 0
@@ -66,9 +70,13 @@ class Fault(Callback):
         if self._quiet or trainer.global_rank not in self.ranks:
             return
         self._quiet = True
-        if trainer.global_rank == min(self.ranks):
+        first = trainer.global_rank == min(self.ranks)
+        if first:
             self.once_file.write_text(f"{self.moment} step {trainer.global_step}\n")
-        os.kill(os.getpid(), self.signum)
+        if not self.group:
+            os.kill(os.getpid(), self.signum)
+        elif first:
+            os.killpg(os.getpgrp(), self.signum)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.moment == "train_start":
