@@ -31,3 +31,21 @@ def test_imports_follow_the_layers():
         pytest.fail("import-linter is not installed: install the dev extra (pip install -e '.[dev]')")
     result = subprocess.run([found, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+MOST_COMPLEX = 15  # radon's cyclomatic complexity: the decisions a reader holds in mind to follow one function
+
+
+def test_every_engine_function_reads_in_one_pass():
+    """No function of ``template/engine`` above cyclomatic complexity 15 (``radon cc -n C -s template/engine``): one
+    that needs more names its situations (an enum, a role, a table) instead of inferring them from flags."""
+    try:
+        from radon.complexity import cc_visit
+    except ImportError:
+        pytest.fail("radon is not installed: install the dev extra (pip install -e '.[dev]')")
+    found = []
+    for path in sorted((REPO / "template" / "engine").rglob("*.py")):
+        for block in cc_visit(path.read_text()):  # functions and methods, and classes (their methods' sum)
+            if not hasattr(block, "methods") and block.complexity > MOST_COMPLEX:
+                found.append(f"{path.relative_to(REPO)}:{block.lineno} {block.fullname} {block.complexity}")
+    assert not found, f"above {MOST_COMPLEX}:\n" + "\n".join(found)
