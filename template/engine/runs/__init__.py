@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,18 @@ CHECKPOINTS = "checkpoints"  # the run's checkpoints, unless checkpoint.dirpath 
 LAST = "last.ckpt"  # written at every validation (the checkpoint section's ModelCheckpoint)
 INTERRUPTED = "interrupted.ckpt"  # written when a signal stops the run (jobs/preemption.py)
 LAST_STEP = "last-step.ckpt"  # written every run.save_every_n_steps steps
+
+
+class Status(str, Enum):
+    """How a start of a run ended, as ``provenance.json`` records it and the ``runs`` table shows it."""
+
+    RUNNING = "running"  # no end written yet: running, unless ``settled`` finds it killed
+    FINISHED = "finished"
+    INTERRUPTED = "interrupted"  # a signal stopped it (its ``signal``), with a checkpoint
+    FAILED = "failed"  # an exception ended it (its ``error``), before training too
+    KILLED = "killed"  # it wrote no end and its process is gone: SIGKILL, the OOM killer, a lost node
+    PRUNED = "pruned"  # a sweep's pruner stopped it
+    __str__ = str.__str__  # the value, as written
 
 
 def run_dir(root: str | os.PathLike | None, name: str) -> Path:
@@ -40,9 +53,18 @@ def _restarts(folder: Path) -> dict[int, Path]:
     return {int(n): p for p in folder.glob("config.restart-*.yaml") if (n := p.name[15:-5]).isdigit()}
 
 
+def is_remote(path: Any) -> bool:
+    """Whether a path is an fsspec URL other than a local file (``s3://bucket/prefix``, ``gs://...``)."""
+    if not isinstance(path, str) or "://" not in path:  # a path: fsspec, 0.1 s to import, need not read it
+        return False
+    from fsspec.utils import get_protocol
+
+    return get_protocol(path) not in ("file", "local")
+
+
 def config_of(checkpoint: str | os.PathLike) -> Path | str:
     """The ``config.yaml`` of the run a checkpoint in its ``checkpoints/`` folder belongs to (a URL's, a URL)."""
-    if "://" in str(checkpoint):
+    if is_remote(str(checkpoint)):
         return f"{str(checkpoint).rsplit('/', 2)[0]}/{CONFIG}"
     return Path(checkpoint).resolve().parent.parent / CONFIG
 
@@ -57,7 +79,9 @@ def evaluations(root: str | os.PathLike | None, checkpoint: str | None) -> Path:
 
 def is_sharded(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a sharded checkpoint: a folder of torch distributed checkpoint shards (strategy fsdp)."""
-    return (Path(path) / ".metadata").is_file()
+    from template.engine.internals import SHARDED_METADATA  # torch, which reading the runs table does not need
+
+    return (Path(path) / SHARDED_METADATA).is_file()
 
 
 def read_starts(folder: str | os.PathLike, writing: bool = False) -> list[dict[str, Any]]:
@@ -80,8 +104,9 @@ def settled(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     newest may still be running: it is unless it ran on this host and its process is gone."""
     for i, start in enumerate(starts):
         newest = i == len(starts) - 1
-        if start.get("status") == "running" and not (newest and may_be_running(start.get("hosts"), start.get("pid"))):
-            start["status"] = "killed"
+        alive = newest and may_be_running(start.get("hosts"), start.get("pid"))
+        if start.get("status") == Status.RUNNING and not alive:
+            start["status"] = Status.KILLED
     return starts
 
 

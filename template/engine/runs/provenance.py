@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from template.engine.errors import exit_signal, one_line
-from template.engine.runs import PROVENANCE, read_starts, settled
+from template.engine.runs import PROVENANCE, Status, read_starts, settled
 from template.engine.store import atomic_write
 from template.engine.strategies.devices import process_devices
 
@@ -76,12 +76,12 @@ def package_versions() -> dict[str, str]:
 def exit_status(exception: BaseException | None) -> dict[str, Any]:
     """``finished``; ``interrupted`` with the signal's name; or ``failed`` with the error in one line."""
     if exception is None:
-        return {"status": "finished"}
+        return {"status": Status.FINISHED}
     if isinstance(exception, KeyboardInterrupt):
-        return {"status": "interrupted", "signal": "SIGINT"}
+        return {"status": Status.INTERRUPTED, "signal": "SIGINT"}
     if isinstance(exception, SIGTERMException):  # Preemption's code names the signal it stopped on; Lightning's, none
-        return {"status": "interrupted", "signal": exit_signal(exception.code) or "SIGTERM"}
-    return {"status": "failed", "error": f"{type(exception).__name__}: {one_line(str(exception))}"[:500]}
+        return {"status": Status.INTERRUPTED, "signal": exit_signal(exception.code) or "SIGTERM"}
+    return {"status": Status.FAILED, "error": f"{type(exception).__name__}: {one_line(str(exception))}"[:500]}
 
 
 def _now() -> str:
@@ -129,7 +129,7 @@ class Provenance(Callback):
         self._entry = {
             "start": _now(),
             "end": None,
-            "status": "running",
+            "status": Status.RUNNING,
             "stage": stage,
             "command": shlex.join(sys.orig_argv),
             "cwd": os.getcwd(),

@@ -25,6 +25,7 @@ from fsspec.utils import get_protocol
 
 from template.engine.errors import ROOT_OPTION, ConfigError, DiskError, one_line
 from template.engine.runs import CHECKPOINTS, may_be_running
+from template.engine.runs import is_remote as is_remote  # where the commands ask
 
 POINTER = "newest"  # in checkpoints/: the name of the newest checkpoint whose upload completed
 LEASE = "lease.json"
@@ -39,11 +40,6 @@ _S3_OPTIONS = {
 }
 _SECRETS = ("key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _LIGHTNING_LINES = "lightning.pytorch.utilities.rank_zero"
-
-
-def is_remote(path: Any) -> bool:
-    """Whether a path is an fsspec URL other than a local file (``s3://bucket/prefix``, ``gs://...``)."""
-    return isinstance(path, str) and get_protocol(path) not in ("file", "local")
 
 
 class RemoteRoot:

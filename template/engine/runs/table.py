@@ -26,7 +26,17 @@ import yaml
 
 from template.engine.errors import ConfigError, disk_errors
 from template.engine.logs import METRICS, read_metrics
-from template.engine.runs import CHECKPOINTS, CONFIG, INTERRUPTED, LOGS, PROVENANCE, configs, read_starts
+from template.engine.runs import (
+    CHECKPOINTS,
+    CONFIG,
+    INTERRUPTED,
+    LOGS,
+    PROVENANCE,
+    Status,
+    configs,
+    is_remote,
+    read_starts,
+)
 
 HEADER = ["run", "status", "best", "epochs", "steps", "duration", "samples/s"]
 
@@ -99,17 +109,17 @@ def _natural(name: str) -> list[Any]:
 
 def _status(starts: list[dict[str, Any]], folder: Path) -> str:
     if not starts:
-        return "interrupted" if (folder / CHECKPOINTS / INTERRUPTED).exists() else "-"
+        return Status.INTERRUPTED if (folder / CHECKPOINTS / INTERRUPTED).exists() else "-"
     last = starts[-1]
     status = str(last.get("status", "-"))
-    detail = {"interrupted": "signal", "failed": "error"}.get(status)  # what stopped it
+    detail = {Status.INTERRUPTED: "signal", Status.FAILED: "error"}.get(status)  # what stopped it
     return f"{status} ({last.get(detail, '?')})" if detail else status
 
 
 def _seconds(start: dict[str, Any]) -> float:
     if isinstance(start.get("seconds"), (int, float)):
         return float(start["seconds"])
-    if start.get("status") == "running":
+    if start.get("status") == Status.RUNNING:
         with contextlib.suppress(KeyError, TypeError, ValueError):
             return max(0.0, time.time() - datetime.fromisoformat(start["start"]).timestamp())
     return 0.0
@@ -178,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--wide", action="store_true", help="every column, names and values whole, however wide")
     parser.add_argument("--csv", metavar="FILE", help="also write the table whole to FILE as CSV; -: to stdout alone")
     args = parser.parse_args(argv)
-    if "://" not in args.root:
+    if not is_remote(args.root):
         _print(Path(args.root), args)
         return
     from template.engine.runs.remote import RemoteRoot  # object storage: its runs' files read in a local copy, no torch

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from template.engine import internals
 from template.engine.errors import ConfigError, signal_exit
 from template.engine.jobs.processes import requeue_slurm_job
-from template.engine.runs import read_starts
+from template.engine.runs import Status, read_starts
 from template.engine.runs.provenance import write_starts
 from template.engine.store import Lock, atomic_write, try_lock
 from template.engine.strategies.devices import gpu_count
@@ -43,11 +44,28 @@ from template.engine.sweep.folds import FOLD
 from template.engine.sweep.options import Configs, Sweep
 from template.engine.sweep.reporter import NOT_LOGGED, REPORTER, REPORTS
 
+STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # stop the trials with a checkpoint, to be continued
 STALE_HEARTBEATS = 4  # a running trial silent this many heartbeats belongs to a dead worker
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-FOLD_SCORES = "fold_scores"  # a trial's user attribute: the best objective of each fold it ran
 # A tracker's arguments that group the trials by sweep and name each one.
 GROUPED = {"MLFlowLogger": ("experiment_name", "run_name"), "WandbLogger": ("group", "name")}
+
+
+class Life(str, Enum):
+    """A trial's life, as the driver records it in the trial's Optuna user attributes (in the order it writes them),
+    where every worker and a later command read it; the trial's state is Optuna's."""
+
+    WORKER = "worker"  # asked by this worker slot: started again, the same worker continues it at once
+    SURPLUS = "surplus"  # asked at the same moment as another worker's, for the last place: failed, never run
+    FOLDER = "folder"  # its folder in the study's (a retry keeps it)
+    HEARTBEAT = "heartbeat"  # time.time() its worker last lived; silent STALE_HEARTBEATS times: failed and retried
+    STARTED = "started"  # time.time() its process last started: it may have run, so it is no surplus
+    FOLD_SCORES = "fold_scores"  # the best objective of each fold it ran, in order
+    SECONDS = "seconds"  # its processes' time, over every start
+    ENDED = "ended"  # time.time() its process last ended
+    REASON = "reason"  # why it failed, one line
+    RETRY_OF = "retry_of"  # the trial a worker that died left, which this one continues in its folder
+    __str__ = str.__str__
 
 
 @dataclass
@@ -63,7 +81,8 @@ class Running:
     heartbeat: float = field(default_factory=time.monotonic)
     values: dict[int, float] = field(default_factory=dict)
     offset: int = 0
-    ending: str | None = None  # "pruned" or a failure reason once the driver stopped it
+    ending: Status | None = None  # PRUNED or FAILED (``reason``) once the driver stopped it
+    reason: str = ""
 
 
 @dataclass
@@ -89,8 +108,16 @@ class Driver:
     starts: multiprocessing.context.BaseContext | None = None  # how trial processes start: run() picks it
 
     def run(self) -> int:
-        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
+        """Run trials until the study holds ``n_trials`` finished ones (0), too many failed in a row (1) or a signal
+        stopped them to be continued (128 + it); the signal handlers are the caller's again when it returns."""
+        handlers = {signum: signal.signal(signum, self._on_signal) for signum in STOPS}
+        try:
+            return self._run()
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+    def _run(self) -> int:
         fresh = start_fork_server()  # running already: started as the command started
         self.starts = multiprocessing.get_context("spawn" if fresh else "forkserver")
         if fresh:
@@ -102,13 +129,7 @@ class Driver:
             if self.stop_signal is not None:
                 return self._stop()
             if self.failures_in_a_row >= self.sweep.max_failures:
-                self._terminate_all("failed")
-                many = f"{self.failures_in_a_row} trials failed in a row (sweep.max_failures={self.sweep.max_failures})"
-                failed = [t for t in self._trials() if t.state == TrialState.FAIL and "reason" in t.user_attrs]
-                last = f"{who(failed[-1])}: {failed[-1].user_attrs['reason']}"
-                reason = f"{many}; the last: {last}" if self.sweep.max_failures > 1 else last.replace(": error:", ":")
-                print(f"error: {reason}; fix it and run the same command", file=sys.stderr)
-                return 1
+                return self._give_up()
             if time.monotonic() - last_stale_check > self.sweep.heartbeat:
                 last_stale_check = time.monotonic()
                 self._retry_stale()
@@ -119,12 +140,22 @@ class Driver:
                 return 0
             time.sleep(0.1)
 
+    def _give_up(self) -> int:
+        """Stop the trials that run (the same command continues them) after ``max_failures`` failed in a row."""
+        self._terminate_all()
+        many = f"{self.failures_in_a_row} trials failed in a row (sweep.max_failures={self.sweep.max_failures})"
+        failed = [t for t in self._trials() if t.state == TrialState.FAIL and Life.REASON in t.user_attrs]
+        last = f"{who(failed[-1])}: {failed[-1].user_attrs[Life.REASON]}"
+        reason = f"{many}; the last: {last}" if self.sweep.max_failures > 1 else last.replace(": error:", ":")
+        print(f"error: {reason}; fix it and run the same command", file=sys.stderr)
+        return 1
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stop_signal = signum
 
     def _stop(self) -> int:
         """Stop the trials with their checkpoints; they stay running in the study and the same command continues."""
-        self._terminate_all(None)
+        self._terminate_all()
         name = signal.Signals(self.stop_signal).name
         print(f"{self.title}: stopped on {name}; run the same command to continue", file=sys.stderr)
         if name == "SIGUSR1" and os.environ.get("SLURM_JOB_ID") and (failure := requeue_slurm_job()) is not None:
@@ -134,16 +165,16 @@ class Driver:
     def _start_next(self, slot: str) -> None:
         trials = self._trials()
         # This worker's, killed before it started, while it ran or before its end was recorded: taken up again.
-        if mine := [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("worker") == slot]:
+        if mine := [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get(Life.WORKER) == slot]:
             trial = Trial(self.study, self._id(mine[0]))
         else:
             n, waiting = self.sweep.n_trials, any(t.state == TrialState.WAITING for t in trials)
             if sum(t.state in FINISHED for t in trials) >= n or (_taken(trials) >= n and not waiting):
                 return
             trial = self.study.ask()
-            trial.set_user_attr("worker", slot)  # first of all: started again, this worker finds it
-        if "started" not in trial.user_attrs and _taken(self._trials()[: trial.number]) >= self.sweep.n_trials:
-            trial.set_user_attr("surplus", True)  # another worker asked at the same moment, for the last place
+            trial.set_user_attr(Life.WORKER, slot)  # first of all: started again, this worker finds it
+        if Life.STARTED not in trial.user_attrs and _taken(self._trials()[: trial.number]) >= self.sweep.n_trials:
+            trial.set_user_attr(Life.SURPLUS, True)  # another worker asked at the same moment, for the last place
             self.study.tell(trial, state=TrialState.FAIL)
             return
         self._launch(slot, trial)
@@ -152,11 +183,11 @@ class Driver:
         for key, distribution in self.space.items():
             _suggest(trial, key, distribution)  # the values it has are kept; the sampler chooses the others
         params = trial.params
-        folder = trial.user_attrs.get("folder", "" if FOLD in params else f"trial-{trial.number:04d}")
-        trial.set_user_attr("folder", folder)  # a retried trial keeps its folder
-        trial.set_user_attr("heartbeat", time.time())
+        folder = trial.user_attrs.get(Life.FOLDER, "" if FOLD in params else f"trial-{trial.number:04d}")
+        trial.set_user_attr(Life.FOLDER, folder)  # a retried trial keeps its folder
+        trial.set_user_attr(Life.HEARTBEAT, time.time())
         folds = [params[FOLD]] if FOLD in params else list(range(self.folds)) or [None]
-        scores = trial.user_attrs.get(FOLD_SCORES, [])
+        scores = trial.user_attrs.get(Life.FOLD_SCORES, [])
         if len(scores) == len(folds):  # killed after its last fold was scored, before its value was told
             self.study.tell(trial, statistics.fmean(scores))
             return self._progress(self._trials()[trial.number])
@@ -169,8 +200,8 @@ class Driver:
         path = self.folder / f"{run}.yaml"
         atomic_write(path, lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()))
         env = {**self.env, **({"CUDA_VISIBLE_DEVICES": self.gpus[slot]} if slot in self.gpus else {})}
-        what = "continues" if "started" in trial.user_attrs and (self.folder / run).is_dir() else "starts"
-        trial.set_user_attr("started", time.time())  # before the process: a trial that may have run is no surplus
+        what = "continues" if Life.STARTED in trial.user_attrs and (self.folder / run).is_dir() else "starts"
+        trial.set_user_attr(Life.STARTED, time.time())  # before the process: a trial that may have run is no surplus
         fit = (["fit", "--config", str(path)], env, str(self.folder / f"{run}.log"))
         # Daemonic: when the driver exits, it stops the trial (SIGTERM: a checkpoint first) and waits for it.
         process = self.starts.Process(target=become_fit, args=fit, daemon=True)
@@ -185,7 +216,7 @@ class Driver:
         code = running.process.exitcode  # before the reports: a process that ended has written all of its own
         self._read_reports(running)
         if time.monotonic() - running.heartbeat > self.sweep.heartbeat:
-            running.trial.set_user_attr("heartbeat", time.time())
+            running.trial.set_user_attr(Life.HEARTBEAT, time.time())
             running.heartbeat = time.monotonic()
         if code is None:
             return
@@ -208,79 +239,89 @@ class Driver:
             step, value = int(record["step"]), float(record["value"])
             running.values[step] = value
             if not math.isfinite(value):
-                return self._end(running, f"{self.sweep.objective} is {value} at step {step}")
+                return self._end(running, Status.FAILED, f"{self.sweep.objective} is {value} at step {step}")
             if step in running.reported or running.fold is not None:  # a fold's trial reports per fold
                 continue
             running.reported.add(step)
             running.trial.report(value, step)
             if self.sweep.pruner != "none" and running.trial.should_prune():
-                return self._end(running, "pruned")
+                return self._end(running, Status.PRUNED)
 
-    def _end(self, running: Running, why: str | None) -> None:
-        """Stop the trial between two steps: its SIGTERM handler writes a checkpoint first."""
-        running.ending = why
+    def _end(self, running: Running, ending: Status, reason: str = "") -> None:
+        """Stop the trial between two steps, pruned or failed: its SIGTERM handler writes a checkpoint first."""
+        running.ending, running.reason = ending, reason
         running.process.terminate()
 
     def _record(self, running: Running, code: int) -> None:
-        trial, ending = running.trial, running.ending
-        seconds = time.monotonic() - running.started + trial.user_attrs.get("seconds", 0)
-        trial.set_user_attr("seconds", round(seconds, 1))
-        trial.set_user_attr("ended", time.time())
+        """Tell the study how the trial's process ended: with its best value, pruned or failed; a trial of folds goes
+        on with its next fold unless it was its last or the pruner stops it here."""
+        trial = running.trial
+        seconds = time.monotonic() - running.started + trial.user_attrs.get(Life.SECONDS, 0)
+        trial.set_user_attr(Life.SECONDS, round(seconds, 1))
+        trial.set_user_attr(Life.ENDED, time.time())
         value = None
-        if ending is None and code == 0 and running.values:
+        if running.ending is None and code == 0 and running.values:
             value = (max if self.sweep.direction == "maximize" else min)(running.values.values())
-            if running.fold is not None:
-                value, ending = self._fold_ended(running, value), running.ending
-                if value is None and ending is None:
-                    return  # still running in the study, this worker's: _start_next runs its next fold
-        if ending == "pruned":
-            self.study.tell(trial, state=TrialState.PRUNED)
-            # Its record says so, not "interrupted" by the SIGTERM that stopped it.
-            starts = read_starts(self.folder / running.folder)
-            if starts and starts[-1].get("status") == "interrupted":
-                write_starts(self.folder / running.folder, [*starts[:-1], {**starts[-1], "status": "pruned"}])
+            value = self._fold_ended(running, value) if running.fold is not None else value
+            if value is None and running.ending is None:
+                return  # still running in the study, this worker's: _start_next runs its next fold
+        if running.ending == Status.PRUNED:
+            self._pruned(running)
         elif value is not None:
             self.study.tell(trial, value)
         else:
-            reason = ending or (_reason(self.folder / f"{running.folder}.log", code) if code else "no validation ran")
-            trial.set_user_attr("reason", reason)
-            self.study.tell(trial, state=TrialState.FAIL)
-            if NOT_LOGGED in reason:
-                self._terminate_all("stopped")
-                raise ConfigError(reason.removeprefix("error: "))
-        self.failures_in_a_row = self.failures_in_a_row + 1 if value is None and ending != "pruned" else 0
+            self._failed(running, code)
+        self.failures_in_a_row = self.failures_in_a_row + 1 if value is None and running.ending != Status.PRUNED else 0
         self._progress(self._trials()[trial.number])
+
+    def _pruned(self, running: Running) -> None:
+        self.study.tell(running.trial, state=TrialState.PRUNED)
+        # Its record says so, not "interrupted" by the SIGTERM that stopped it.
+        starts = read_starts(self.folder / running.folder)
+        if starts and starts[-1].get("status") == Status.INTERRUPTED:
+            write_starts(self.folder / running.folder, [*starts[:-1], {**starts[-1], "status": Status.PRUNED}])
+
+    def _failed(self, running: Running, code: int) -> None:
+        log = self.folder / f"{running.folder}.log"
+        reason = running.reason or (_reason(log, code) if code else "no validation ran")
+        running.trial.set_user_attr(Life.REASON, reason)
+        self.study.tell(running.trial, state=TrialState.FAIL)
+        if NOT_LOGGED in reason:
+            self._terminate_all()
+            raise ConfigError(reason.removeprefix("error: "))
 
     def _fold_ended(self, running: Running, best: float) -> float | None:
         """Record the fold's best value, report the running mean at step k; the mean once the last fold ended, else
         None: the next fold runs unless the pruner stops the trial here."""
         trial = running.trial
-        scores = [*trial.user_attrs.get(FOLD_SCORES, []), best]
+        scores = [*trial.user_attrs.get(Life.FOLD_SCORES, []), best]
         # The report first: killed between the two writes, the fold runs again and its report is there.
         if len(scores) - 1 not in running.reported:
             trial.report(statistics.fmean(scores), len(scores) - 1)
-        trial.set_user_attr(FOLD_SCORES, scores)
+        trial.set_user_attr(Life.FOLD_SCORES, scores)
         if FOLD in trial.params or len(scores) == self.folds:
             return statistics.fmean(scores)
         if self.sweep.pruner != "none" and trial.should_prune():
-            running.ending = "pruned"
+            running.ending = Status.PRUNED
         return None
 
     def _retry_stale(self) -> None:
-        """Trials of a worker that died elsewhere (silent heartbeat) are failed and queued again, in their folder."""
+        """Trials of a worker that died elsewhere (silent heartbeat) are failed and queued again, in their folder.
+        Optuna's (RDBStorage's heartbeat) never fails a trial killed as Optuna created it; the journal has none."""
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            beat = t.user_attrs.get("heartbeat") or t.datetime_start.timestamp()  # killed as Optuna created it
-            if time.time() - beat < STALE_HEARTBEATS * self.sweep.heartbeat or t.user_attrs.get("worker") in self.slots:
+            beat = t.user_attrs.get(Life.HEARTBEAT) or t.datetime_start.timestamp()  # killed as Optuna created it
+            alive = time.time() - beat < STALE_HEARTBEATS * self.sweep.heartbeat
+            if alive or t.user_attrs.get(Life.WORKER) in self.slots:
                 continue  # alive, or ours: continued by _start_next
             try:  # the reason first: Optuna refuses to change a finished trial
-                worker = t.user_attrs.get("worker", "that asked for it")
-                self.storage.set_trial_user_attr(self._id(t), "reason", f"worker {worker} stopped")
+                worker = t.user_attrs.get(Life.WORKER, "that asked for it")
+                self.storage.set_trial_user_attr(self._id(t), Life.REASON, f"worker {worker} stopped")
                 self.storage.set_trial_state_values(self._id(t), state=TrialState.FAIL)
             except (RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
                 continue  # another worker failed it first
             if t.params:  # else it never started: the next trial asked replaces it
-                kept = {k: t.user_attrs[k] for k in ("folder", FOLD_SCORES) if k in t.user_attrs}  # its ended folds
-                self.study.enqueue_trial(t.params, user_attrs={**kept, "retry_of": t.number}, skip_if_exists=False)
+                kept = {k: t.user_attrs[k] for k in (Life.FOLDER, Life.FOLD_SCORES) if k in t.user_attrs}  # ended folds
+                self.study.enqueue_trial(t.params, user_attrs={**kept, Life.RETRY_OF: t.number}, skip_if_exists=False)
 
     def _trials(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False)
@@ -291,17 +332,18 @@ class Driver:
 
     def _progress(self, trial: FrozenTrial) -> None:
         objective = self.sweep.objective
-        score = f"{objective}={trial.value:.6g}" if trial.value is not None else trial.user_attrs.get("reason", "")
+        score = f"{objective}={trial.value:.6g}" if trial.value is not None else trial.user_attrs.get(Life.REASON, "")
         best = ""
         with contextlib.suppress(ValueError):
             best = f"; best {objective}={self.study.best_value:.6g} ({who(self.study.best_trial)})"
         done, state = sum(t.state in FINISHED for t in self._trials()), trial.state.name.lower()
         print(f"{self.title}: {done}/{self.sweep.n_trials} finished; {who(trial)} {state} ({score}){best}", flush=True)
 
-    def _terminate_all(self, why: str | None) -> None:
-        """Stop every trial between two steps and wait for it; ``why`` None leaves them running in the study."""
+    def _terminate_all(self) -> None:
+        """Stop every trial between two steps (a checkpoint first) and wait for it; they stay running in the study,
+        the worker's, which the same command continues."""
         for running in self.running.values():
-            self._end(running, why)
+            running.process.terminate()
         for running in self.running.values():
             running.process.join(timeout=600)
 

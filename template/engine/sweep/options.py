@@ -95,12 +95,14 @@ def _distribution(key: str, spec: Any) -> BaseDistribution:
         raise ConfigError(f"{where} has unknown field(s) {', '.join(extra)} for type {kind}; use {allowed}")
     if not isinstance(fields.get("log", False), bool):
         raise ConfigError(f"{where}.log is {fields['log']!r}; use true or false")
-    number = int if kind == "int" else (int, float)
     for name in ("low", "high", "step"):
-        value = fields.get(name, 1)
-        if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value):
-            raise ConfigError(f"{where}.{name} is {value!r}; give a finite {'integer' if kind == 'int' else 'number'}")
+        _refuse_unless_finite(f"{where}.{name}", fields.get(name, 1), integer=kind == "int")
     try:
         return KINDS[kind](**fields)
     except (ValueError, TypeError) as err:  # Optuna's checks: low <= high, log with low > 0, step > 0, choices...
         raise ConfigError(f"{where}: {str(err).rstrip('.')}; fix that entry of sweep.space") from None
+
+
+def _refuse_unless_finite(where: str, value: Any, integer: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where} is {value!r}; give a finite {'integer' if integer else 'number'}")

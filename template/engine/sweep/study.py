@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -16,7 +17,7 @@ import re
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.runs.table import format_table
 from template.engine.store import atomic_write
 from template.engine.sweep import CV, SWEEP, Sweep, trial_environment
-from template.engine.sweep.driver import FOLD_SCORES, Driver, claim_slots, slot_gpus, who
+from template.engine.sweep.driver import Driver, Life, claim_slots, slot_gpus, who
 from template.engine.sweep.folds import FOLD, PROTOCOL, log
 from template.engine.sweep.options import Configs, search_space
 from template.engine.sweep.reporter import MEMORY_FRACTION, REPORTER, REPORTS
@@ -71,8 +72,9 @@ def run(argv: list[str], command: str) -> int:
     print(f"CV {name}: {split}", flush=True)
     space = {FOLD: {"type": "categorical", "choices": list(range(cv.folds))}}
     # A failed fold would fail again: the cv stops, and the same command reruns it (the only fold no trial has).
-    sweep = Sweep(name, space, cv.folds, cv.workers, storage=cv.storage, objective=cv.objective, pruner="none")
-    sweep.max_failures, sweep.enqueue, sweep.direction = 1, [{FOLD: k} for k in range(cv.folds)], cv.direction
+    enqueue = [{FOLD: k} for k in range(cv.folds)]
+    options = {"storage": cv.storage, "objective": cv.objective, "direction": cv.direction, "pruner": "none"}
+    sweep = Sweep(name, space, cv.folds, cv.workers, max_failures=1, enqueue=enqueue, **options)
     return run_study(sweep, configs, cv=True)
 
 
@@ -117,15 +119,8 @@ def prepare(configs: Configs, k: int, stratify: bool) -> tuple[str, dict[str, An
 def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) -> int:
     """Check the study against the fit config, then run (or continue) it and write its results; the exit code."""
     space = search_space(sweep)
-    base, section = configs.complete({}), "cv" if cv else "sweep"
-    checkpoint = base.get("checkpoint", {})
-    sweep.objective = sweep.objective or checkpoint.get("monitor")
-    if not sweep.objective:
-        raise ConfigError(f"the {section} has no objective; set {section}.objective to a metric the module logs")
-    if sweep.direction is None and sweep.objective != checkpoint.get("monitor"):  # checkpoint.mode is the monitor's
-        why = f"{section}.objective={sweep.objective} is not checkpoint.monitor, whose mode says nothing of it"
-        raise ConfigError(f"{why}; set {section}.direction to minimize or maximize")
-    sweep.direction = sweep.direction or ("maximize" if checkpoint.get("mode", "min") == "max" else "minimize")
+    base = configs.complete({})
+    sweep = scored(sweep, base.get("checkpoint", {}), "cv" if cv else "sweep")
     for key, d in space.items():  # each choice, or the lowest value, taken by the fit parser
         for value in d.choices if isinstance(d, CategoricalDistribution) else [d.low]:
             configs.complete({key: value}, what=f"sweep.space['{key}']: ")
@@ -133,32 +128,11 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
         configs.complete(values, what="sweep.enqueue: ")
     trainer = base.get("trainer", {})
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
-    root = trainer.get("default_root_dir") or "."
-    on_store = is_remote(sweep.storage) and get_protocol(sweep.storage) in fsspec.available_protocols()
-    if on_store or (is_remote(root) and not is_remote(sweep.storage)):
-        raise ConfigError(
-            f"sweep.storage={sweep.storage}: a journal file needs appends and locks, which object storage (where "
-            f"{'it' if on_store else 'trainer.default_root_dir=' + root} is) does not have; keep the study in a "
-            "database the machines share, e.g. sweep.storage: postgresql://user@host/db"
-        )
-    # Trial folders on object storage are written in a local copy the trials share.
-    remote = RemoteRoot(root, base.get("run", {}).get("storage_options")) if is_remote(root) else None
-    folder = run_dir(remote.local if remote else root, sweep.name)
-    storage = open_storage(sweep.storage, folder)
-    if storage is not None:
-        check_space(storage, sweep.name, space, folds)
-    folder.mkdir(parents=True, exist_ok=True)
-    storage = storage or _journal(folder / JOURNAL)
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    env = trial_environment()  # the trials'
-    if sweep.gpu_memory_fraction is not None:
-        env[MEMORY_FRACTION] = str(sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
-    if remote is not None:
-        remote.pull(folder, recursive=False)
-        env[COPIES] = json.dumps({remote.url: str(remote.local)})
-    slots = claim_slots(folder, sweep.workers)
-    try:
+    with contextlib.ExitStack() as stack:
+        folder, storage, env = stack.enter_context(home(sweep, space, folds, trainer, base.get("run", {})))
+        slots = claim_slots(folder, sweep.workers)
+        for lock in slots.values():
+            stack.callback(lock.release)
         study = open_study(sweep, space, storage, folds)
         if sweep.enqueue and not study.get_trials(deepcopy=False):
             for values in sweep.enqueue:
@@ -171,14 +145,59 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
             url = _without_password(sweep.storage) if sweep.storage else folder / JOURNAL
             print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {url}")
         return code
-    finally:
-        for lock in slots.values():
-            lock.release()
-        optuna.logging.set_verbosity(verbosity)
-        if remote is not None:  # the sweep's own files (trial configs and logs, results); each trial uploads its run
+
+
+def scored(sweep: Sweep, checkpoint: dict[str, Any], section: str) -> Sweep:
+    """``sweep`` with its objective and direction: by default the checkpoint's monitor and mode."""
+    objective = sweep.objective or checkpoint.get("monitor")
+    if not objective:
+        raise ConfigError(f"the {section} has no objective; set {section}.objective to a metric the module logs")
+    if sweep.direction is None and objective != checkpoint.get("monitor"):  # checkpoint.mode is the monitor's
+        why = f"{section}.objective={objective} is not checkpoint.monitor, whose mode says nothing of it"
+        raise ConfigError(f"{why}; set {section}.direction to minimize or maximize")
+    direction = sweep.direction or ("maximize" if checkpoint.get("mode", "min") == "max" else "minimize")
+    return dataclasses.replace(sweep, objective=objective, direction=direction)
+
+
+@contextlib.contextmanager
+def home(
+    sweep: Sweep, space: dict[str, BaseDistribution], folds: int, trainer: dict[str, Any], run: dict[str, Any]
+) -> Iterator[tuple[Path, optuna.storages.BaseStorage, dict[str, str]]]:
+    """Where the study lives while it runs: its folder (under a ``default_root_dir`` on object storage, a local copy
+    the trials share, uploaded at the end), its storage, checked to hold the same space, and the trials' environment;
+    Optuna says warnings only."""
+    root = trainer.get("default_root_dir") or "."
+    on_store = is_remote(sweep.storage) and get_protocol(sweep.storage) in fsspec.available_protocols()
+    if on_store or (is_remote(root) and not is_remote(sweep.storage)):
+        raise ConfigError(
+            f"sweep.storage={sweep.storage}: a journal file needs appends and locks, which object storage (where "
+            f"{'it' if on_store else 'trainer.default_root_dir=' + root} is) does not have; keep the study in a "
+            "database the machines share, e.g. sweep.storage: postgresql://user@host/db"
+        )
+    remote = RemoteRoot(root, run.get("storage_options")) if is_remote(root) else None
+    folder = run_dir(remote.local if remote else root, sweep.name)
+    storage = open_storage(sweep.storage, folder)
+    if storage is not None:
+        check_space(storage, sweep.name, space, folds)
+    folder.mkdir(parents=True, exist_ok=True)
+    env = trial_environment()
+    if sweep.gpu_memory_fraction is not None:
+        env[MEMORY_FRACTION] = str(sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        if remote is None:
+            yield folder, storage or _journal(folder / JOURNAL), env
+            return
+        remote.pull(folder, recursive=False)
+        try:
+            yield folder, storage, {**env, COPIES: json.dumps({remote.url: str(remote.local)})}
+        finally:  # the sweep's own files (trial configs and logs, results); each trial uploads its run
             remote.sync(folder, recursive=False)
             remote.flush()
             remote.close()
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage | None:
@@ -268,7 +287,7 @@ def _recorded(space: dict[str, BaseDistribution], folds: int) -> dict[str, Any]:
 def write_results(study: optuna.Study, folder: Path, objective: str, cv: bool = False) -> None:
     """The table of a sweep's trials (and their folds' scores, as scikit-learn's ``cv_results_``) then ``best.yaml``,
     or of a cv's folds (each one's metrics at its best, their mean and deviation) then ``folds.md``; and the plots."""
-    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
+    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(Life.SURPLUS)]
     header, rows = (_folds if cv else _trials)(trials, folder, objective)
     text = io.StringIO(newline="")
     csv.writer(text).writerows([header, *rows])
@@ -285,7 +304,7 @@ def write_results(study: optuna.Study, folder: Path, objective: str, cv: bool = 
     print(f"Table: {folder / TABLE}")
     if any(t.state == TrialState.COMPLETE for t in trials):
         best = study.best_trial
-        run = best.user_attrs["folder"] + ("/fold-0" if FOLD_SCORES in best.user_attrs else "")
+        run = best.user_attrs[Life.FOLDER] + ("/fold-0" if Life.FOLD_SCORES in best.user_attrs else "")
         config = reproduction(yaml.safe_load((folder / f"{run}.yaml").read_text()))
         atomic_write(folder / BEST, lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()))
         print(f"Best: trial {best.number}, {objective}={best.value:.6g}; reproduce it with")
@@ -300,17 +319,18 @@ def write_results(study: optuna.Study, folder: Path, objective: str, cv: bool = 
 
 def _trials(trials: list[FrozenTrial], folder: Path, objective: str) -> tuple[list[str], list[list[Any]]]:
     keys = sorted({k for t in trials for k in t.params})
-    folds = max((len(t.user_attrs.get(FOLD_SCORES, [])) for t in trials), default=0)
+    folds = max((len(t.user_attrs.get(Life.FOLD_SCORES, [])) for t in trials), default=0)
     header = ["trial", *keys, objective, *(f"fold {k}" for k in range(folds)), *(["std"] if folds else [])]
     rows = []
     for t in trials:
-        scores = t.user_attrs.get(FOLD_SCORES, [])
+        attrs = t.user_attrs
+        scores = attrs.get(Life.FOLD_SCORES, [])
         std = [statistics.stdev(scores) if len(scores) == folds else ""] if folds else []
         rows.append(
             [t.number, *(t.params.get(k, "") for k in keys), "" if t.value is None else t.value]
             + [*scores, *[""] * (folds - len(scores)), *std]
-            + [t.state.name.lower(), t.user_attrs.get("seconds", ""), str(folder / t.user_attrs.get("folder", ""))]
-            + [t.user_attrs.get("reason", "")]
+            + [t.state.name.lower(), attrs.get(Life.SECONDS, ""), str(folder / attrs.get(Life.FOLDER, ""))]
+            + [attrs.get(Life.REASON, "")]
         )
     return [*header, "state", "seconds", "folder", "reason"], rows
 
