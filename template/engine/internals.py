@@ -138,6 +138,57 @@ def end_restart(trainer: Trainer) -> None:
     trainer.fit_loop._restarting = False
 
 
+def call_epoch_start_hooks(trainer: Trainer) -> None:
+    """Run ``on_train_epoch_start`` of every callback and then of the module, as Lightning's fit loop does at an
+    epoch's start (it skips them for an epoch resumed in its middle), with the loggers away: what they logged there the
+    epoch's start has logged already."""
+    call = _imported("lightning.pytorch.trainer", "call", "exact resume (re-entering an epoch)")
+    loggers, trainer.loggers = trainer.loggers, []
+    try:
+        _require(call, "_call_callback_hooks", "lightning", "exact resume (re-entering an epoch)")(
+            trainer, "on_train_epoch_start"
+        )
+        call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    finally:
+        trainer.loggers = loggers
+
+
+def _epoch_results(trainer: Trainer) -> Any:
+    return _require(trainer.fit_loop.epoch_loop, "_results", "lightning", "exact resume (epoch means)")
+
+
+def epoch_sums(trainer: Trainer) -> dict[str, list[torch.Tensor]]:
+    """What each tensor logged with ``on_epoch=True`` has accumulated in this training epoch so far: its running value
+    (for a mean, the sum weighted by batch size) and, for a mean, the batch sizes' sum."""
+    return {
+        key: [result.value.detach().cpu().clone(), getattr(result, "cumulated_batch_size", torch.tensor(0)).cpu()]
+        for key, result in _epoch_results(trainer).items()
+        if result.is_tensor and result.meta.on_epoch
+    }
+
+
+def add_epoch_sums(trainer: Trainer, sums: dict[str, list[torch.Tensor]]) -> None:
+    """Fold ``epoch_sums`` of an interrupted epoch into what the same values have accumulated since; the keys folded
+    in are taken out of ``sums`` (a value not logged again yet waits for a later step)."""
+    results = _epoch_results(trainer)
+    for key in [key for key in sums if key in results]:
+        result, (value, count) = results[key], sums.pop(key)
+        value = value.to(result.value.device)
+        if result.meta.is_mean_reduction:
+            result.value = result.value + value
+            result.cumulated_batch_size = result.cumulated_batch_size + count.to(result.value.device)
+        elif result.meta.is_sum_reduction:
+            result.value = result.value + value
+        else:  # max or min
+            result.value = result.meta.reduce_fx(result.value, value)
+
+
+def combined_loader_mode(trainer: Trainer) -> str:
+    """How Lightning's CombinedLoader walks several training loaders (``max_size_cycle`` unless the user chose)."""
+    combined = _require(trainer.fit_loop, "_combined_loader", "lightning", "exact resume (several training loaders)")
+    return "max_size_cycle" if combined is None else _require(combined, "_mode", "lightning", "several loaders")
+
+
 def layer_sync_enabled(strategy: Strategy) -> bool:
     """Whether ``sync_batchnorm`` was asked for (the Trainer handed the strategy a ``_layer_sync``)."""
     return _require(strategy, "_layer_sync", "lightning", "strategy dp's sync_batchnorm check") is not None

@@ -291,7 +291,7 @@ def _training_state(checkpoint: dict) -> dict:
         "state_dict": checkpoint["state_dict"],
         "optimizer_states": checkpoint["optimizer_states"],
         "lr_schedulers": checkpoint.get("lr_schedulers"),
-        "callbacks": {k: v for k, v in callbacks.items() if k == "RNGStateCheckpoint" or k.startswith("EMA")},
+        "callbacks": {k: v for k, v in callbacks.items() if k == "ExactResume" or k.startswith("EMA")},
     }
 
 

@@ -1,6 +1,13 @@
 """Exact for the user's own training patterns: a user's modules (``tests/user_code/patterns.py``), stopped by a signal
 anywhere in an epoch (the second one, and the first for a schedule the second epoch trains by), then the same command,
-end bit for bit where the uninterrupted run ends: weights, optimizer and scheduler states, random states.
+end bit for bit where the uninterrupted run ends: weights, optimizer and scheduler states, random states, and every
+value of ``metrics.csv`` (the epoch means of an epoch resumed in its middle among them).
+
+The augmentation cells are a matrix: random augmentation in the Dataset's ``__getitem__`` drawn from each global
+generator (torch, Python, NumPy), read in the main process or in 2 workers (persistent too), in one process and under
+2-process DDP, stopped in the first epoch and in a later one. Lightning's epoch-start callbacks (``BackboneFinetuning``,
+``GradientAccumulationScheduler``, ``StochasticWeightAveraging``), a module's own ``on_train_epoch_start`` and two
+training loaders in a dict are stopped in an epoch where their state matters.
 
 The cells are the every-moment matrix's (``test_exact_resume.py``: ``Cell``, ``_run_cell``) with the configuration's
 command replaced.
@@ -8,6 +15,7 @@ command replaced.
 
 from __future__ import annotations
 
+import csv
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,12 @@ PLATEAU = [
 ]  # fmt: skip
 ONE_CYCLE = [f"{MODEL}OneCycle", PLAIN, "--trainer.gradient_clip_val=0.5", "--trainer.accumulate_grad_batches=2"]
 NET = f"{MODEL}Net"
+
+
+def USER(name: str) -> str:  # noqa: N802 - reads as the constant it names
+    return str(TESTS / "user_code" / f"{name}.yaml")
+
+
 # Each configuration: its config file, the arguments it adds to the matrix's, its optimizer steps and validations.
 PATTERNS: dict[str, tuple[str, list[str], int, int]] = {
     # The example's own model: no validation counts as an improvement, so the rate halves at each epoch's end.
@@ -42,7 +56,30 @@ PATTERNS: dict[str, tuple[str, list[str], int, int]] = {
     "own-checkpoint": ("default.yaml", [NET, PLAIN, "--config", str(TESTS / "user_code" / "own.yaml")], 16, 4),
     "weighted-sampler": ("default.yaml", [NET, f"{DATA}patterns.Weighted"], 16, 4),
     "augmentation": ("default.yaml", [NET, f"{DATA}patterns.Augmented"], 16, 4),
-}
+    **{
+        f"augmentation-{draw}{'-workers' * bool(workers)}": (
+            "default.yaml", [NET, f"{DATA}patterns.Augmented", f"--data.draw={draw}", f"--data.num_workers={workers}"],
+            16, 4,
+        )
+        for draw in ("torch", "python", "numpy") for workers in (0, 2)
+    },
+    "augmentation-persistent-workers": (
+        "default.yaml", [NET, f"{DATA}patterns.Augmented", "--data.num_workers=2", "--data.persistent=true"], 16, 4
+    ),
+    "augmentation-ddp-workers": ("ddp_cpu.yaml", [NET, f"{DATA}patterns.Augmented", "--data.num_workers=2"], 8, 4),
+    "backbone-finetuning": (
+        "default.yaml", [f"{MODEL}Backbone", PLAIN, "--trainer.max_epochs=3", "--config", USER("finetuning")], 24, 6
+    ),
+    "accumulation-schedule": ("default.yaml", [NET, PLAIN, "--config", USER("accumulation")], 12, 4),
+    "swa": ("default.yaml", [NET, PLAIN, "--config", USER("swa")], 16, 4),
+    "epoch-start-hooks": ("default.yaml", [f"{MODEL}EpochStart", PLAIN, "--trainer.max_epochs=3"], 24, 6),
+    "two-loaders": ("default.yaml", [f"{MODEL}TwoLoaderNet", f"{DATA}patterns.TwoLoaders"], 16, 4),
+    "two-loaders-ddp": ("ddp_cpu.yaml", [f"{MODEL}TwoLoaderNet", f"{DATA}patterns.TwoLoaders"], 8, 4),
+}  # fmt: skip
+# Stopped in the first epoch too; those of three epochs in the third as well.
+HOOKS = ["backbone-finetuning", "accumulation-schedule", "swa", "epoch-start-hooks"]
+IN_EVERY_EPOCH = [name for name in PATTERNS if name.startswith("augmentation-")] + HOOKS
+THREE_EPOCHS = ["backbone-finetuning", "epoch-start-hooks"]
 
 
 def _command(configuration: str) -> list[str]:
@@ -62,7 +99,10 @@ def _anywhere(configuration: str, last_validation: int = 3) -> list[Cell]:
     ]
 
 
-FAST = [Cell("plateau-val-check-interval", "train_batch", "SIGTERM", 1, 5)]
+FAST = [
+    Cell("plateau-val-check-interval", "train_batch", "SIGTERM", 1, 5),
+    Cell("augmentation-torch-workers", "train_batch", "SIGTERM", 1, 5),
+]
 SLOW = [
     *_anywhere("plateau-per-epoch", last_validation=1),
     *_anywhere("plateau-val-check-interval"),
@@ -71,6 +111,9 @@ SLOW = [
     *[Cell(name, "train_batch", "SIGTERM", 1, 5) for name in PATTERNS if not name.startswith("plateau")],
     Cell("one-cycle", "train_batch", "SIGTERM", 1, 2),  # between micro-batches: the stop waits for the step
     Cell("one-cycle-ddp", "train_batch", "SIGTERM", 1, 5, ranks=(1,)),
+    *[Cell(name, "train_batch", "SIGTERM", 0, 3) for name in [*IN_EVERY_EPOCH, "two-loaders", "two-loaders-ddp"]],
+    *[Cell(name, "train_batch", "SIGTERM", 2, 5) for name in THREE_EPOCHS],
+    Cell("two-loaders", "train_batch", "SIGTERM", 1, 3),  # the shorter loader exactly at its end
 ]
 SLOW = [cell for cell in dict.fromkeys(SLOW) if cell.id not in {c.id for c in FAST}]
 
@@ -88,9 +131,21 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if configuration not in done:
             made = made_once(tmp_path_factory, f"pattern-{configuration}", lambda w: run(w, configuration))
             done[configuration] = matrix._last(made)
+            FOLDERS[configuration] = made
         return done[configuration]
 
     return final
+
+
+FOLDERS: dict[str, Path] = {}  # each uninterrupted run's folder
+
+
+def logged(work: Path) -> dict[tuple[str, str], str]:
+    """Every value of the run's ``metrics.csv`` by (step, column), the times aside."""
+    with (work / "lightning_logs" / "r" / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    timed = ("throughput", "time", "samples_per_sec", "batches_per_sec")
+    return {(r["step"], c): v for r in rows for c, v in r.items() if v and c != "step" and not c.startswith(timed)}
 
 
 def _run(cell: Cell, work: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, server: ForkServer) -> None:
@@ -98,6 +153,14 @@ def _run(cell: Cell, work: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(matrix, "STEPS", PATTERNS[cell.configuration][2])
     monkeypatch.setattr(matrix, "VALIDATIONS", PATTERNS[cell.configuration][3])
     matrix._run_cell(cell, work, uninterrupted, server)
+    expected, continued = logged(FOLDERS[cell.configuration]), logged(work)
+    differing = sorted(key for key in expected.keys() | continued.keys() if expected.get(key) != continued.get(key))
+    assert not differing, "metrics.csv differs from the uninterrupted run's: " + ", ".join(
+        f"{column} at step {step}: {continued.get((step, column))} != {expected.get((step, column))}"
+        for step, column in differing[:8]
+    )
+    output = (work / "run.log").read_text()
+    assert "Not exact" not in output and "not an exact continuation" not in output, output[-3000:]
     if cell.configuration == "own-checkpoint":  # the user's own checkpoints, beside the run's
         assert len(list((work / "lightning_logs" / "r" / "checkpoints").glob("loss-*.ckpt"))) == 2
 
@@ -119,9 +182,9 @@ def test_each_users_training_pattern_continues_exactly_anywhere_in_an_epoch(
 
 def test_the_pattern_cells_cover_every_pattern() -> None:
     cells = FAST + SLOW
-    assert len({cell.id for cell in cells}) == len(cells) and len(FAST) == 1
+    assert len({cell.id for cell in cells}) == len(cells) and len(FAST) == 2
     assert {cell.configuration for cell in cells} == set(PATTERNS)
     mid_second_epoch = {c.configuration for c in cells if (c.moment, c.epoch) == ("train_batch", 1) and c.batch < 7}
     assert mid_second_epoch == set(PATTERNS)
     docs = " ".join((REPO / "docs" / "reliability.md").read_text().split())
-    assert f"(1 cell fast, {len(SLOW)} slow)" in docs, "docs/reliability.md gives the patterns' cells"
+    assert f"({len(FAST)} cells fast, {len(SLOW)} slow)" in docs, "docs/reliability.md gives the patterns' cells"

@@ -17,7 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch.utils.data import DataLoader, TensorDataset
 
 from template.engine.resume.checkpoints import AtomicCheckpointIO
-from template.engine.resume.states import RNGStateCheckpoint
+from template.engine.resume.states import ExactResume
 from template.engine.runs.folder import newest_under
 from tests.conftest import CONFIGS, PACKAGE, cli_env, pythonpath
 
@@ -86,7 +86,7 @@ def test_resume_at_epoch_boundary_is_bit_exact(straight: Path, tmp_path: Path, r
     control = tmp_path / "control"
     control.mkdir()
     checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
-    del checkpoint["callbacks"]["RNGStateCheckpoint"]
+    del checkpoint["callbacks"]["ExactResume"]
     torch.save(checkpoint, control / "no_rng.ckpt")
     drifted = run_cli(*FAST, "--trainer.max_epochs=2", "--ckpt_path", "no_rng.ckpt", cwd=control)
     assert drifted.returncode == 0, drifted.stderr[-3000:]
@@ -172,7 +172,7 @@ def _fit(tmp_path: Path, epochs: int, ckpt_path: Path | None = None, module: typ
     seed_everything(0)
     model = module()
     trainer = Trainer(
-        max_epochs=epochs, callbacks=[RNGStateCheckpoint()], plugins=[AtomicCheckpointIO()], deterministic=True,
+        max_epochs=epochs, callbacks=[ExactResume()], plugins=[AtomicCheckpointIO()], deterministic=True,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=tmp_path,
     )  # fmt: skip
@@ -187,7 +187,7 @@ def test_sampler_generator_state_is_restored(tmp_path: Path) -> None:
     resumed = _fit(tmp_path / "b", epochs=2, ckpt_path=tmp_path / "b" / "epoch1.ckpt")
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    saved = torch.load(tmp_path / "b" / "epoch1.ckpt", weights_only=True)["callbacks"]["RNGStateCheckpoint"]
+    saved = torch.load(tmp_path / "b" / "epoch1.ckpt", weights_only=True)["callbacks"]["ExactResume"]
     assert saved["ranks"][0]["samplers"][0] is not None  # the loader's own generator was saved, not only global RNG
 
 
@@ -258,7 +258,7 @@ def test_lightnings_not_resumable_warning_is_left_out_only_where_the_resume_make
     def fit(callbacks: list[Callback], ckpt_path: Path | None = None) -> None:
         options = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
         trainer = Trainer(
-            max_epochs=1, callbacks=[RNGStateCheckpoint(), *callbacks], **options, default_root_dir=tmp_path
+            max_epochs=1, callbacks=[ExactResume(), *callbacks], **options, default_root_dir=tmp_path
         )
         trainer.fit(module(), ckpt_path=ckpt_path)
 

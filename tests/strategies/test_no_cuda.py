@@ -50,7 +50,7 @@ def _starts(run: Path) -> list[dict]:
 
 def _rng_states(run: Path) -> list[dict]:
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    return checkpoint["callbacks"]["RNGStateCheckpoint"]["ranks"]
+    return checkpoint["callbacks"]["ExactResume"]["ranks"]
 
 
 def test_the_refuser_stops_every_way_into_cuda(tmp_path: Path) -> None:
@@ -148,10 +148,10 @@ class FakeCudaRng:
 
 
 def _rng_callback(monkeypatch: pytest.MonkeyPatch, visible: int, devices: list[str]) -> tuple[object, FakeCudaRng]:
-    """An RNGStateCheckpoint set up for a process that trains on ``devices`` where ``visible`` GPUs are seen."""
+    """An ExactResume set up for a process that trains on ``devices`` where ``visible`` GPUs are seen."""
     from types import SimpleNamespace
 
-    from template.engine.resume.states import RNGStateCheckpoint
+    from template.engine.resume.states import ExactResume
 
     fake = FakeCudaRng(visible)
     for name in ("get_rng_state", "set_rng_state"):
@@ -160,7 +160,7 @@ def _rng_callback(monkeypatch: pytest.MonkeyPatch, visible: int, devices: list[s
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("a CUDA function outside the run's devices"))
     parallel = [torch.device(d) for d in devices]
     strategy = SimpleNamespace(world_size=1, root_device=parallel[0], parallel_devices=parallel)
-    callback = RNGStateCheckpoint()
+    callback = ExactResume()
     trainer = SimpleNamespace(strategy=strategy, train_dataloader=None, callback_metrics={}, lr_scheduler_configs=[])
     callback.setup(trainer, None, "validate")
     return callback, fake

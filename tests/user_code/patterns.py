@@ -1,10 +1,13 @@
 """A user's own training patterns, written as Lightning's docs show them: manual optimization with two optimizers,
 OneCycleLR stepped per step, ReduceLROnPlateau stepped after each validation, a WeightedRandomSampler, augmentation
-drawn from the global random generators, two validation sets. Used from YAML or the command line by ``class_path``.
+drawn from the global random generators (in DataLoader workers too), two validation sets, a backbone for
+``BackboneFinetuning``, state set at each epoch's start, two training loaders in a dict, a per-rank running mean. Used
+from YAML or the command line by ``class_path``.
 """
 
 import random
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -114,23 +117,96 @@ class Weighted(PlainDigits):
 
 
 class _Jittered(Dataset):
-    """Each read shifts the image by a random offset (Python's generator) and adds noise (torch's global one)."""
+    """Each read flips the image at random and adds noise, drawn from the global generator ``draw`` names (torch's,
+    Python's ``random``, NumPy's) or from all three."""
 
-    def __init__(self, data: TensorDataset) -> None:
+    def __init__(self, data: TensorDataset, draw: str) -> None:
         self.data = data
+        self.draw = draw
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int):
         x, y = self.data[index]
-        x = torch.roll(x, shifts=random.randint(-1, 1), dims=-1)
-        return x + 0.05 * torch.randn_like(x), y
+        if self.draw in ("python", "all"):
+            x = torch.roll(x, shifts=random.randint(-1, 1), dims=-1)
+        if self.draw in ("numpy", "all") and np.random.rand() < 0.5:
+            x = x.flip(-1)
+        if self.draw in ("torch", "all"):
+            x = x + 0.05 * torch.randn_like(x)
+        return x, y
 
 
 class Augmented(PlainDigits):
-    """Augmentation drawn from the global random generators in the main process (``num_workers=0``: in workers such
-    draws are not put back mid-epoch, docs/reliability.md)."""
+    """Augmentation inside the Dataset's ``__getitem__``, read by a plain ``DataLoader(shuffle=True)`` in the main
+    process or in ``num_workers`` workers, as most vision projects do."""
+
+    def __init__(self, draw: str = "all", batch_size: int = 64, num_workers: int = 0, persistent: bool = False):
+        super().__init__(batch_size, num_workers, persistent)
+        self.draw = draw
 
     def train_dataloader(self):
-        return DataLoader(_Jittered(self.train), batch_size=self.batch_size, shuffle=True)
+        return DataLoader(
+            _Jittered(self.train, self.draw), batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
+            persistent_workers=self.persistent_workers,
+        )  # fmt: skip
+
+
+class Backbone(Net):
+    """A ``backbone`` and a head, the optimizer over what is trainable, as ``BackboneFinetuning`` expects."""
+
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__(lr)
+        self.backbone = self.features
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr, momentum=0.9)
+
+
+class EpochStart(Net):
+    """State set at each epoch's start: the features frozen from epoch 1, a noise level drawn for the epoch."""
+
+    def on_train_epoch_start(self) -> None:
+        self.features.requires_grad_(self.current_epoch < 1)
+        self.noise = 0.1 * torch.rand(()).item()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x + self.noise * torch.randn_like(x), y), batch_idx)
+
+
+class TwoLoaders(PlainDigits):
+    """Two training loaders in a dict, the second shorter (Lightning cycles it within the epoch)."""
+
+    def train_dataloader(self):
+        short = TensorDataset(*(t[:192] for t in self.train.tensors))
+        return {"a": super().train_dataloader(), "b": DataLoader(short, batch_size=self.batch_size, shuffle=True)}
+
+
+class TwoLoaderNet(Net):
+    """Trains on both loaders' batches of each step."""
+
+    def training_step(self, batch, batch_idx):
+        x = torch.cat([batch["a"][0], batch["b"][0]])
+        y = torch.cat([batch["a"][1], batch["b"][1]])
+        return super().training_step((x, y), batch_idx)
+
+
+class RankMean(Net):
+    """A running mean of its own rank's loss, kept across checkpoints in ``on_save_checkpoint``."""
+
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__(lr)
+        self.mean_loss = 0.0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss = 0.9 * self.mean_loss + 0.1 * loss.item()
+        return loss * (1 + 0.01 * self.mean_loss)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["mean_loss"] = self.mean_loss
+
+    def on_load_checkpoint(self, checkpoint):
+        self.mean_loss = checkpoint["mean_loss"]

@@ -41,7 +41,7 @@ from template.engine.jobs.processes import HangWatchdog, dead_rank, join_restart
 from template.engine.logs.console import ThroughputLog, first_lines
 from template.engine.resume import checkpoints
 from template.engine.resume.continuation import Run, continue_run
-from template.engine.resume.states import RNGStateCheckpoint
+from template.engine.resume.states import ExactResume
 from template.engine.runs import folder, run_dir
 from template.engine.runs.folder import RunConfigCallback, RunFolders, RunOptions, newest_under, run_folder_arguments
 from template.engine.runs.remote import is_remote
@@ -407,7 +407,7 @@ def build_cli(
         subclass_mode_model=True,
         subclass_mode_data=True,
         seed_everything_default=1234,
-        trainer_defaults={"callbacks": [RNGStateCheckpoint()]},  # random states travel in every checkpoint
+        trainer_defaults={"callbacks": [ExactResume()]},  # random states travel in every checkpoint
         save_config_callback=RunConfigCallback,  # a restart of the same run keeps its config.yaml
         trainer_class=DescribedTrainer,
         parser_class=ArgumentParser,

@@ -20,7 +20,7 @@ from typing_extensions import override
 from template.engine.errors import ConfigError, disk_errors, one_line
 from template.engine.internals import SHARDED_METADATA, save_last_where_skipped
 from template.engine.logs.console import Mechanism
-from template.engine.resume.states import RNGStateCheckpoint
+from template.engine.resume.states import ExactResume
 from template.engine.runs import INTERRUPTED, is_sharded
 from template.engine.runs.folder import checkpoint_dir, newest
 from template.engine.runs.remote import RemoteRoot
@@ -119,7 +119,7 @@ def resuming_in_place(trainer: Any, ckpt_path: str | os.PathLike | None) -> None
     if Path(ckpt_path).resolve().parent != Path(folder).resolve():
         return
     # No argument of ModelCheckpoint avoids the warning: its setup warns before every fit in a non-empty folder.
-    for callback in (c for c in trainer.callbacks if isinstance(c, RNGStateCheckpoint)):
+    for callback in (c for c in trainer.callbacks if isinstance(c, ExactResume)):
         callback.ignore(rf"Checkpoint directory {re.escape(str(folder))} exists and is not empty\.$")
 
 

@@ -1,6 +1,9 @@
 """Exact mid-epoch resume for any map-style DataLoader, the user's code unchanged: a copy of the loader records the
 random states each epoch's order and workers' seed are drawn from; on resume it draws the same order again and skips
-the batches trained on as lists of indices, without reading them (docs/reliability.md, Exact at any step)."""
+the batches trained on as lists of indices, without reading them. Each batch is read (the dataset, then the
+collate_fn) with the global torch, Python and NumPy generators seeded from the epoch's seed and the batch's place, in
+whichever process reads it: random augmentation in DataLoader workers continues exactly, and does not depend on
+``num_workers`` (docs/reliability.md, Exact at any step)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRandomSampler
 
 from template.engine import internals
@@ -28,7 +31,7 @@ def global_states() -> dict[str, Any]:
 
 def restore_global_states(state: dict[str, Any]) -> None:
     """Put back what ``global_states`` recorded (a training step's dropout draws from these), and the GPUs' states of
-    a checkpoint (``cuda``: device -> state, as ``RNGStateCheckpoint.load_state_dict`` matched them to its devices)."""
+    a checkpoint (``cuda``: device -> state, as ``ExactResume.load_state_dict`` matched them to its devices)."""
     torch.set_rng_state(state["torch"])
     for device, rng_state in state.get("cuda", {}).items():
         torch.cuda.set_rng_state(rng_state, device)
@@ -52,6 +55,7 @@ class ResumableIndexSampler(Sampler):
         self.at_order: dict[str, Any] | None = None
         # This epoch's first item: a stop checks that the order replays.
         self.first: Any = None
+        self._epoch_seed = 0  # drawn with the order: each batch's reads draw from it and the batch's place
         self._resume: tuple[dict[str, Any], dict[str, Any], int] | None = None
         self.resuming = False
         # Persistent workers restarted at an epoch's end: the states their seed was first drawn from, and after it.
@@ -115,10 +119,27 @@ class ResumableIndexSampler(Sampler):
             self._put_back(self._after_seed)
             self._after_seed = None
         self.at_order = self._capture()
-        for index, item in enumerate(self.inner):
-            if index == 0:
+        for place, item in enumerate(self._draw_order()):
+            if place == 0:
                 self.first = _plain(item)
-            yield item
+            yield self._seeded(item, place)
+
+    def _draw_order(self) -> Iterator[Any]:
+        self._epoch_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        return iter(self.inner)
+
+    def _seeded(self, item: Any, place: int) -> Any:
+        """``item`` marked with the seed its reads draw from: the epoch's, its place and its first index (ranks read
+        other indices at the same places)."""
+        if isinstance(item, (list, tuple)):
+            marked: Any = _Batch(item)
+        elif isinstance(item, int):
+            marked = _Index(item)
+        else:  # a batch sampler's own type: read unseeded
+            return item
+        first = next(iter(marked), 0) if isinstance(marked, list) else marked
+        marked.seed = hash((self._epoch_seed, place, int(first))) & 0xFFFF_FFFF
+        return marked
 
     def _replay(self) -> Iterator[Any]:
         assert self._resume is not None
@@ -126,7 +147,7 @@ class ResumableIndexSampler(Sampler):
         self._resume = None
         now = self._capture()
         self._put_back(at_order, epochs=True)
-        iterator = iter(self.inner)
+        iterator = self._draw_order()
         first = next(iterator, None)  # the sampler draws its order here, from the recorded states
         self.first = _plain(first)
         for _ in islice(iterator, max(0, done - 1)):  # skipped as lists of indices: the dataset is not read
@@ -135,8 +156,9 @@ class ResumableIndexSampler(Sampler):
         # The global generators go on from where training is; the sampler's own from where its order left them.
         restore_global_states(now)
         if done == 0 and first is not None:
-            yield first
-        yield from iterator
+            yield self._seeded(first, 0)
+        for place, item in enumerate(iterator, start=max(done, 1)):
+            yield self._seeded(item, place)
 
     def order_reproducible(self) -> bool:
         """Whether this epoch's first item is drawn again from the recorded states (checked without loading data)."""
@@ -145,22 +167,88 @@ class ResumableIndexSampler(Sampler):
         saved = self._capture()
         try:
             self._put_back(self.at_order, epochs=True)
-            again = _plain(next(iter(self.inner), None))
+            again = _plain(next(self._draw_order(), None))
         finally:
             self._put_back(saved, epochs=True)
         return again == self.first
 
 
+class _Batch(list):
+    """A batch's indices, with the seed its reads draw from (``seed``): a list, as workers are sent."""
+
+
+class _Index(int):
+    """A sample's index (a loader with ``batch_size=None``), with the seed its read draws from."""
+
+
+class SeededFetch(Dataset):
+    """The user's dataset and collate_fn as the loader's iterator reads them: each batch marked with a seed is read
+    with the global generators seeded from it, and the reading process's own draws put back after its collate_fn (in
+    the main process they are the training step's). Attributes are the user's dataset's (a ``worker_init_fn`` may set
+    some on ``get_worker_info().dataset``)."""
+
+    def __init__(self, dataset: Any, collate: Any) -> None:
+        vars(self).update(_dataset=dataset, _collate=collate, _outside=None)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # this object's own, missing while a copy is half-built
+            raise AttributeError(name)
+        return getattr(self._dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._dataset, name, value)
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def _seed(self, item: Any) -> None:
+        seed = getattr(item, "seed", None)
+        if seed is not None:
+            vars(self)["_outside"] = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
+            torch.default_generator.manual_seed(seed)  # not torch.manual_seed: the GPUs' generators are training's
+            random.seed(seed)
+            np.random.seed(seed)
+
+    def __getitem__(self, index: Any) -> Any:
+        self._seed(index)
+        return self._dataset[index]
+
+    def __getitems__(self, indices: list[Any]) -> Any:
+        self._seed(indices)
+        read = getattr(self._dataset, "__getitems__", None)
+        return read(indices) if read is not None else [self._dataset[index] for index in indices]
+
+    def collate(self, data: Any) -> Any:
+        try:
+            return self._collate(data)
+        finally:
+            if self._outside is not None:
+                torch_state, python_state, numpy_state = self._outside
+                torch.default_generator.set_state(torch_state)
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
+            vars(self)["_outside"] = None
+
+
 def _resumable_class(cls: type) -> type:
-    """The user's DataLoader class, whose ``__iter__`` first tells the index sampler that an iterator is made."""
+    """The user's DataLoader class, whose ``__iter__`` first tells the index sampler that an iterator is made, and
+    makes it read through ``SeededFetch``; outside the iterator the loader holds the user's dataset."""
 
     def __iter__(self: DataLoader) -> Any:  # noqa: N807 - the DataLoader's own method, extended
         sampler = wrapped(self)
-        if sampler is not None:
-            # With persistent workers only the first epoch creates the iterator (and draws the workers' seed).
-            persistent = self.persistent_workers and self.num_workers > 0
-            sampler.before_iterator(new=not (persistent and internals.has_iterator(self)), persistent=persistent)
-        return super(subclass, self).__iter__()
+        if sampler is None:
+            return super(subclass, self).__iter__()
+        # With persistent workers only the first epoch creates the iterator (and draws the workers' seed).
+        persistent = self.persistent_workers and self.num_workers > 0
+        sampler.before_iterator(new=not (persistent and internals.has_iterator(self)), persistent=persistent)
+        own = vars(self).copy()
+        fetch = SeededFetch(self.dataset, self.collate_fn)
+        # DataLoader refuses a new dataset after __init__; its iterator keeps this one, the loader gets its own back.
+        vars(self).update(dataset=fetch, collate_fn=fetch.collate)
+        try:
+            return super(subclass, self).__iter__()
+        finally:
+            vars(self).update(dataset=own["dataset"], collate_fn=own["collate_fn"])
 
     subclass = type(
         cls.__name__, (cls,), {"__iter__": __iter__, "__module__": __name__, "__qualname__": cls.__qualname__}
