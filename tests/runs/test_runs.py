@@ -227,3 +227,25 @@ def test_a_column_that_does_not_exist_is_one_line(runs_of_two_models: Path, run_
     done = run_main("runs", str(runs_of_two_models), *option)
     assert done.returncode == 2 and done.stderr.startswith("error:") and done.stderr.count("\n") == 1, done.stderr
     assert fragment in done.stderr and "Traceback" not in done.stderr
+
+
+def test_test_metrics_are_columns(runs_of_two_models: Path, capsys) -> None:  # noqa: ANN001
+    from template.engine.runs.table import main
+
+    logs = runs_of_two_models / "lightning_logs"
+    with (logs / "version_1" / "metrics.csv").open("a") as f:  # test_after_fit: in the run's own metrics.csv
+        f.write("1,8,,0.875,0.25\n")
+    (logs / "version_1" / "metrics.csv").write_text(
+        (logs / "version_1" / "metrics.csv").read_text().replace("val_acc\n", "val_acc,test_f1,test_loss\n", 1)
+    )
+    _run_folder(logs / "version_2/test/version_0", "checkpoint: {monitor: val_acc, mode: max}\n", status=None)
+    (logs / "version_2/test/version_0/metrics.csv").write_text("epoch,step,test_f1\n0,0,0.5\n")
+    main([str(runs_of_two_models), "--csv", "-", "--where", "status=*"])
+    rows = {row["run"]: row for row in csv.DictReader(capsys.readouterr().out.splitlines())}
+    assert list(rows["version_1"])[7:9] == ["test_f1", "test_loss"]  # after the header's, before the config keys
+    assert (rows["version_1"]["test_f1"], rows["version_1"]["test_loss"]) == ("0.875", "0.25")
+    assert (rows["version_2/test/version_0"]["test_f1"], rows["version_2"]["test_f1"]) == ("0.5", "-")
+    main([str(runs_of_two_models), "--columns", "run,test_f1", "--where", "test_f1=0.*"])
+    assert [line.split() for line in capsys.readouterr().out.splitlines()[2:]] == [
+        ["version_1", "0.875"], ["version_2/test/version_0", "0.5"],
+    ]  # fmt: skip

@@ -39,6 +39,7 @@ from template.engine.runs import (
 )
 
 HEADER = ["run", "status", "best", "epochs", "steps", "duration", "samples/s"]
+TESTED = "test_"  # a metric logged by test (after fit, or of a checkpoint): a column of its own
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -53,30 +54,40 @@ def find_runs(root: Path) -> list[Path]:
 
 
 def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
-    """One run's cells under ``HEADER`` (``-`` for what it did not write) and its config, flattened."""
+    """One run's cells under ``HEADER`` (``-`` for what it did not write) and its columns beyond: the last value of
+    each ``test_*`` metric it logged, then its config, flattened."""
     starts, config, metrics = read_starts(folder), _flatten(_read_config(folder)), read_metrics(folder / METRICS)[0]
     monitor = config.get("checkpoint.monitor")
     values = _column(metrics, monitor) if monitor else []
     best = (max if config.get("checkpoint.mode", "min") == "max" else min)(values, default=0.0)
     # An evaluation's folder, <the run of its checkpoint>/<stage>/version_<n>, records no start: it trains nothing.
     stage = folder.parent.name if folder.parent.name in ("validate", "test", "predict") and not starts else None
-    if ended := [s for s in starts if isinstance(s.get("steps"), int)]:
-        # What the trainer counted when the run last stopped: epochs completed (Lightning's current_epoch) and steps.
-        epochs, steps = str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
-    else:
-        epochs, steps = (
-            "-" if stage or not (c := _column(metrics, k)) else str(int(max(c)) + 1) for k in ("epoch", "step")
-        )
     speed = _column(metrics, "throughput/samples_per_sec")
     return [
         str(folder.relative_to(root)) if folder != root else folder.name,
         stage or _status(starts, folder),
         f"{monitor}={best:.4g}" if values else "-",
-        epochs,
-        steps,
+        *_counted(starts, metrics, stage),
         _duration(sum(_seconds(start) for start in starts)) if starts else "-",
         f"{speed[-1]:.0f}" if speed else "-",
-    ], config
+    ], {**_tested(metrics), **config}
+
+
+def _tested(metrics: list[dict[str, str]]) -> dict[str, str]:
+    """The last value of each ``test_*`` metric in ``metrics.csv``."""
+    columns = {
+        key: _column(metrics, key) for key in sorted({k for row in metrics for k in row if k.startswith(TESTED)})
+    }
+    return {key: f"{values[-1]:.4g}" for key, values in columns.items() if values}
+
+
+def _counted(starts: list[dict[str, Any]], metrics: list[dict[str, str]], stage: str | None) -> tuple[str, str]:
+    """The epochs and steps the trainer counted when the run last stopped (epochs completed: Lightning's
+    ``current_epoch``), as its start recorded them, else as its ``metrics.csv`` shows them; none for an evaluation."""
+    if ended := [s for s in starts if isinstance(s.get("steps"), int)]:
+        return str(ended[-1].get("epochs", "-")), str(ended[-1]["steps"])
+    epochs, steps = ([] if stage else _column(metrics, key) for key in ("epoch", "step"))
+    return tuple(str(int(max(c)) + 1) if c else "-" for c in (epochs, steps))
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -135,22 +146,33 @@ def table(
     runs: Sequence[tuple[list[str], dict[str, str]]], columns: str | None = None, where: Sequence[str] = ()
 ) -> tuple[list[str], list[list[str]]]:
     """The header and the rows of the runs each ``COLUMN=PATTERN`` of ``where`` matches (shell-style): ``HEADER``'s
-    columns, then one per config key whose value is not the same in every row (a missing key counts as a value); or
-    the ``columns`` named, comma-separated."""
-    rows = [{**dict(zip(HEADER, cells, strict=True)), **config} for cells, config in runs]
+    columns, the ``test_*`` metrics any run logged, then one per config key whose value is not the same in every row
+    (a missing key counts as a value); or the ``columns`` named, comma-separated."""
+    rows = [{**dict(zip(HEADER, cells, strict=True)), **more} for cells, more in runs]
     for condition in where:
-        name, equals, pattern = condition.partition("=")
-        if not equals:
-            raise ConfigError(f"--where {condition!r}: give COLUMN=PATTERN, e.g. --where status=finished")
-        keys = _matching(name, sorted({key for row in rows for key in row}), "--where")
-        rows = [row for row in rows if any(fnmatch.fnmatchcase(row.get(key, "-"), pattern) for key in keys)]
+        rows = _where(rows, condition)
     # ckpt_path and run.name differ between runs without saying anything about how they differ.
     keys = sorted({key for row in rows for key in row} - {*HEADER, "ckpt_path", "run.name"})
     if columns is not None:
         header = [key for name in columns.split(",") for key in _matching(name.strip(), [*HEADER, *keys], "--columns")]
     else:
-        header = HEADER + [key for key in keys if len({row.get(key, "-") for row in rows}) > 1] * (len(rows) > 1)
+        header = [*HEADER, *_beyond(rows, keys)]
     return header, [[row.get(key, "-") for key in header] for row in rows]
+
+
+def _beyond(rows: list[dict[str, str]], keys: list[str]) -> list[str]:
+    """The columns shown after ``HEADER``'s by default: the test metrics, then the config keys that differ."""
+    tested = [key for key in keys if key.startswith(TESTED)]
+    differ = [key for key in keys if key not in tested and len({row.get(key, "-") for row in rows}) > 1]
+    return tested + differ * (len(rows) > 1)
+
+
+def _where(rows: list[dict[str, str]], condition: str) -> list[dict[str, str]]:
+    name, equals, pattern = condition.partition("=")
+    if not equals:
+        raise ConfigError(f"--where {condition!r}: give COLUMN=PATTERN, e.g. --where status=finished")
+    keys = _matching(name, sorted({key for row in rows for key in row}), "--where")
+    return [row for row in rows if any(fnmatch.fnmatchcase(row.get(key, "-"), pattern) for key in keys)]
 
 
 def _matching(name: str, keys: list[str], option: str) -> list[str]:
