@@ -249,3 +249,29 @@ def test_test_metrics_are_columns(runs_of_two_models: Path, capsys) -> None:  # 
     assert [line.split() for line in capsys.readouterr().out.splitlines()[2:]] == [
         ["version_1", "0.875"], ["version_2/test/version_0", "0.5"],
     ]  # fmt: skip
+
+
+def test_a_start_that_failed_before_training_is_listed_with_its_error(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from template.engine.runs.folder import RunFolders
+    from template.engine.runs.table import main
+
+    logs = tmp_path / "lightning_logs"
+    _run_folder(logs / "again", "checkpoint: {monitor: val_acc, mode: max}\n")  # it trained 2 epochs, then failed
+    for name in ("new", "again"):  # claimed, then the DataModule's setup failed: Provenance never started
+        folders = RunFolders()
+        folders.claim(logs / name, name, "--run.name")
+        try:
+            folders.failed(FileNotFoundError(2, "No such file or directory", "/data/train.csv"))
+        finally:
+            folders.release()
+    main([str(tmp_path), "--csv", "-"])
+    rows = {row["run"]: row for row in csv.DictReader(capsys.readouterr().out.splitlines())}
+    error = "failed (FileNotFoundError: [Errno 2] No such file or directory: '/data/train.csv')"
+    assert (rows["new"]["status"], rows["new"]["epochs"], rows["new"]["steps"]) == (error, "-", "-")
+    assert (rows["again"]["status"], rows["again"]["epochs"], rows["again"]["steps"]) == (error, "2", "8")
+    folders = RunFolders()
+    folders.claim(logs / "new", "new", "--run.name")
+    (logs / "new" / "provenance.json").write_text('{"starts": [{"status": "running"}, {"status": "running"}]}')
+    folders.failed(RuntimeError("after its Provenance"))  # the start recorded itself: not recorded twice
+    folders.release()
+    assert len(json.loads((logs / "new" / "provenance.json").read_text())["starts"]) == 2

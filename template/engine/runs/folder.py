@@ -18,7 +18,8 @@ from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
 from template.engine.errors import ConfigError, DiskError, disk_errors
-from template.engine.runs import CHECKPOINTS, LAST, is_sharded, restart_config
+from template.engine.runs import CHECKPOINTS, LAST, is_sharded, read_starts, restart_config
+from template.engine.runs.provenance import record_failed_start
 from template.engine.runs.remote import Lease, RemoteRoot, is_remote
 from template.engine.store import Lock, atomic_write, prove_writable, try_lock, undone_on_failure
 from template.engine.strategies.fsdp import is_fsdp
@@ -124,7 +125,8 @@ class RunFolders:
         # Each folder created, with the times of the folder it was made in, given back when it is removed again.
         self.created: dict[Path, tuple[int, int]] = {}
         self.remote: RemoteRoot | None = None  # trainer.default_root_dir on object storage, written through a copy
-        self.claimed: Path | None = None
+        self.claimed: Path | None = None  # the run's folder, once locked (on object storage: leased)
+        self.starts = 0  # the starts its provenance.json held then
         self.read: list[RemoteRoot] = []  # stores a checkpoint was read from
 
     def root(self, configured: str | None, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -151,15 +153,21 @@ class RunFolders:
             self.remote.lease = Lease(self.remote, directory, name or directory.name)
             self.remote.lease.acquire()
             self.remote.pull(directory)
-            self.claimed = directory
-            return
-        self.lock = try_lock(directory)
-        if self.lock is None:
-            which = f"run {name!r}" if name else f"the run in {directory}"
-            raise ConfigError(
-                f"{which} is already running in another process (its folder {directory} is locked); wait for it to "
-                "end or stop it, or start this one under another --run.name"
-            )
+        else:
+            self.lock = try_lock(directory)
+            if self.lock is None:
+                which = f"run {name!r}" if name else f"the run in {directory}"
+                raise ConfigError(
+                    f"{which} is already running in another process (its folder {directory} is locked); wait for it "
+                    "to end or stop it, or start this one under another --run.name"
+                )
+        self.claimed, self.starts = directory, len(read_starts(directory))
+
+    def failed(self, exception: BaseException) -> None:
+        """Record this start as failed with ``exception`` if it failed after the claim but before its ``Provenance``
+        recorded it (in the DataModule's ``setup``, a check before training), so that ``runs`` lists it."""
+        if self.claimed is not None and len(read_starts(self.claimed)) == self.starts:
+            record_failed_start(self.claimed, exception)
 
     def prepare(self, directory: str | os.PathLike, option: str) -> None:
         """Create ``directory`` if needed and prove it writable before training; a DiskError naming ``option`` if not
@@ -198,7 +206,7 @@ class RunFolders:
         if self.lock is not None:
             self.lock.release()
         try:
-            if self.remote is not None and self.claimed is not None:  # by the process of global rank zero
+            if self.remote is not None and self.claimed is not None and self.remote.lease is not None:  # global rank 0
                 self.remote.sync(self.claimed)
                 self.remote.flush()
         except (ConfigError, DiskError) as err:

@@ -179,3 +179,11 @@ def write_starts(folder: str | os.PathLike, starts: list[dict[str, Any]]) -> Non
     last start as ``pruned``)."""
     text = json.dumps({"starts": starts}, indent=1)
     atomic_write(Path(folder) / PROVENANCE, lambda f: f.write(text.encode()))
+
+
+def record_failed_start(folder: str | os.PathLike, exception: BaseException) -> None:
+    """Append a start to ``folder``'s ``provenance.json`` that failed with ``exception`` before ``Provenance`` was set
+    up: the runs table lists it with its error line."""
+    entry = {"start": _now(), "end": _now(), "command": shlex.join(sys.orig_argv), "cwd": os.getcwd()}
+    entry.update(pid=os.getpid(), hosts=[socket.gethostname()], **exit_status(exception))
+    write_starts(folder, [*read_starts(folder, writing=True), entry])
