@@ -12,9 +12,8 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from template.engine import ConfigError, RandomSampler, atomic_torch_save, disk_error, fold_indices
+from template.engine import ConfigError, atomic_torch_save, disk_error, fold_indices
 
 _ARCHIVE = "digits.csv.gz"
 _CACHE = "digits.pt"
@@ -25,20 +24,6 @@ def _read_archive() -> dict[str, Tensor]:
     text = gzip.decompress(resources.files("template").joinpath("assets", _ARCHIVE).read_bytes()).decode()
     rows = torch.tensor([[int(v) for v in line.split(",")] for line in text.splitlines() if line])
     return {"images": rows[:, :-1].to(torch.uint8).reshape(-1, 1, 8, 8), "labels": rows[:, -1].long()}
-
-
-def _read_cache(path: Path) -> dict[str, Tensor] | str:
-    """The cached tensors, or why they cannot be used (missing, truncated, junk, other content)."""
-    try:
-        data = torch.load(path, weights_only=True)
-    except FileNotFoundError:
-        return "missing"
-    except Exception as err:  # noqa: BLE001 - a truncated zip, junk or a foreign pickle fail in many ways
-        return f"{type(err).__name__}: {(str(err).splitlines() or ['unreadable'])[0][:120]}"
-    images, labels = (data.get("images"), data.get("labels")) if isinstance(data, dict) else (None, None)
-    if not isinstance(images, Tensor) or not isinstance(labels, Tensor) or images.shape[1:] != (1, 8, 8):
-        return "not the digits tensors"
-    return data if len(images) == len(labels) > 0 else "not the digits tensors"
 
 
 class BatchedTensorDataset(TensorDataset):
@@ -110,33 +95,24 @@ class DigitsDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Materialise the packaged archive into ``data_dir`` once (Lightning calls this on one process per node)."""
-        directory = Path(self.data_dir)
+        if self.cache_path.is_file():
+            return
         try:
-            cached = _read_cache(self.cache_path)
-            if not isinstance(cached, str):
-                return
-            directory.mkdir(parents=True, exist_ok=True)
-            atomic_torch_save(_read_archive(), self.cache_path)
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(_read_archive(), self.cache_path)  # whole or not at all, however many processes write
         except OSError as err:
-            # Read-only, not writable, a file in the way, full, a name too long: one line naming the folder's option.
+            # Read-only, full, a file in the way, a name too long: one line naming the folder's option.
             error = disk_error(err, self.cache_path, kept="nothing was written there", option="--data.data_dir")
             if error is None:
                 raise
             raise error from None
-        if cached == "missing":
-            rank_zero_info(f"Prepared the digits data set in {self.cache_path}")
-        else:
-            rank_zero_info(f"The digits cache {self.cache_path} was damaged ({cached}); rebuilt it from the archive")
+        rank_zero_info(f"Prepared the digits data set in {self.cache_path}")
 
     def setup(self, stage: str) -> None:
         """Load the cached tensors and split them the same way on every process and every run."""
         if self.splits:
             return
-        data = _read_cache(self.cache_path)
-        if isinstance(data, str):
-            # Damaged after prepare_data (or never prepared, e.g. another node's disk): the archive is the source.
-            rank_zero_info(f"The digits cache {self.cache_path} is missing or damaged; using the packaged archive")
-            data = _read_archive()
+        data = torch.load(self.cache_path, weights_only=True)
         images = data["images"].float() / 16.0
         labels = data["labels"]
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
@@ -149,14 +125,10 @@ class DigitsDataModule(LightningDataModule):
         self.splits = {name: BatchedTensorDataset(images[idx], labels[idx]) for name, idx in parts.items()}
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        # A DataLoader that checkpoints where it is in the epoch: Lightning saves and restores its state, so a run
-        # resumed mid-epoch reads exactly the batches it had not read yet. Shuffled by a sampler that Lightning
-        # replaces with a DistributedSampler under DDP (see RandomSampler), not by shuffle=True.
-        dataset = self.splits[split]
-        return StatefulDataLoader(
-            dataset,
+        return DataLoader(
+            self.splits[split],
             batch_size=self.batch_size,
-            sampler=RandomSampler(dataset) if shuffle else None,
+            shuffle=shuffle,
             collate_fn=collate_batch,
             num_workers=self.num_workers,
             pin_memory=self._pin_memory(),

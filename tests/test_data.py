@@ -1,4 +1,3 @@
-import io
 import os
 import subprocess
 import sys
@@ -156,26 +155,3 @@ def test_ddp_splits_the_example_data_under_the_command_line(tmp_path):
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     _read_by_both_ranks(tmp_path, _train_images(tmp_path / "data"))
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [lambda p: p.write_bytes(p.read_bytes()[:1000]), lambda p: p.write_bytes(b"junk"),
-     lambda p: torch.save({"images": torch.zeros(3)}, p), lambda p: p.write_bytes(b"")],
-    ids=["truncated", "junk", "wrong-content", "empty"],
-)  # fmt: skip
-def test_a_damaged_cache_is_rebuilt_from_the_archive(tmp_path, caplog, damage) -> None:  # noqa: ANN001
-    good = DigitsDataModule(data_dir=str(tmp_path))
-    good.prepare_data()
-    expected = good.cache_path.read_bytes()
-    damage(good.cache_path)
-    # setup on a damaged cache (prepare_data not called on this node) still gets the data, from the archive.
-    early = DigitsDataModule(data_dir=str(tmp_path))
-    early.setup("fit")
-    assert len(early.splits["train"]) + len(early.splits["val"]) + len(early.splits["test"]) == 1797
-    dm = DigitsDataModule(data_dir=str(tmp_path))
-    with caplog.at_level("INFO"):
-        dm.prepare_data()
-    assert "damaged" in caplog.text and "rebuilt" in caplog.text
-    assert torch.equal(torch.load(dm.cache_path)["labels"], torch.load(io.BytesIO(expected))["labels"])
-    assert [p.name for p in tmp_path.iterdir()] == ["digits.pt"], "no temporary left"

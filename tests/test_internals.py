@@ -24,10 +24,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from template.engine import internals
-from template.engine.resume.loader import RandomSampler
 from template.engine.strategies.scaling import scale_learning_rates
 
 
@@ -420,27 +418,6 @@ def test_scaling_reaches_sequential_and_last_lr() -> None:
         optimizer.step()
         sequential.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)  # past the milestone: still scaled
-
-
-# --- torchdata and Lightning's sampler replacement ------------------------------------------------------------------
-
-
-def test_resumable_sampler_is_a_torch_random_sampler_and_resumes_mid_epoch() -> None:
-    """``torchdata.stateful_dataloader.sampler.RandomSampler``: Lightning shards it (a torch RandomSampler, see
-    tests/test_data.py's DDP runs) and StatefulDataLoader resumes it exactly in one process."""
-    dataset = torch.arange(40)
-    sampler = RandomSampler(dataset)
-    assert isinstance(sampler, torch.utils.data.RandomSampler)
-    loader = StatefulDataLoader(dataset, batch_size=4, sampler=sampler)
-    batches = iter(loader)
-    for _ in range(3):
-        next(batches)
-    state = loader.state_dict()
-    rest = [b.tolist() for b in batches]
-
-    resumed = StatefulDataLoader(dataset, batch_size=4, sampler=RandomSampler(dataset))
-    resumed.load_state_dict(state)
-    assert [b.tolist() for b in resumed] == rest and len(rest) == 7
 
 
 def test_built_experiment_is_none_until_a_logger_creates_it(tmp_path) -> None:  # noqa: ANN001

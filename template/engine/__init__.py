@@ -15,7 +15,6 @@ PUBLIC = {
     "DiskError": "errors",
     "disk_error": "errors",
     "atomic_torch_save": "store",
-    "RandomSampler": "resume.loader",
     "fold_indices": "sweep.folds",
     "load_weights": "commands.export",
     "built_by_lightning_cli": "internals",

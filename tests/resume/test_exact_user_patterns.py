@@ -188,3 +188,13 @@ def test_the_pattern_cells_cover_every_pattern() -> None:
     assert mid_second_epoch == set(PATTERNS)
     docs = " ".join((REPO / "docs" / "reliability.md").read_text().split())
     assert f"({len(FAST)} cells fast, {len(SLOW)} slow)" in docs, "docs/reliability.md gives the patterns' cells"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draw", ["torch", "python", "numpy"])
+def test_the_weights_do_not_depend_on_num_workers(draw: str, uninterrupted: Any) -> None:
+    """Augmentation read in the main process and in 2 workers: the same weights, optimizer state and random states
+    (each batch's draws are a function of the seed, the epoch and its place, not of the process reading it)."""
+    in_main, in_workers = uninterrupted(f"augmentation-{draw}"), uninterrupted(f"augmentation-{draw}-workers")
+    differences = matrix._differences(matrix._training_state(in_main), matrix._training_state(in_workers))
+    assert not differences, "num_workers=2 trained other weights than num_workers=0:\n" + "\n".join(differences[:10])

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
-from torchdata.stateful_dataloader.sampler import RandomSampler as _ResumableRandomSampler
 
 from template.engine import internals
 
@@ -306,13 +305,3 @@ def make_resumable(loader: object) -> object:
     wrapper = ResumableIndexSampler(inner, list(generators.values()), list(epochs.values()))
     object.__setattr__(resumable, "batch_sampler" if batching else "sampler", wrapper)
     return resumable
-
-
-class RandomSampler(_ResumableRandomSampler, torch.utils.data.RandomSampler):
-    """torchdata's resumable RandomSampler that is also a ``torch.utils.data.RandomSampler``: pass it as
-    ``StatefulDataLoader(dataset, sampler=RandomSampler(dataset))`` where ``shuffle=True`` would go.
-
-    Under DDP Lightning replaces a torch RandomSampler with a ``DistributedSampler``, whose order a resume replays;
-    torchdata's own shuffling sampler it wraps instead, and ranks would read overlapping samples. In one process this
-    sampler saves and restores its place in the epoch itself.
-    """
