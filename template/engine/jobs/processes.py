@@ -17,6 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
 
 import torch.distributed as dist
@@ -88,8 +89,26 @@ def join_restarted_group(trainer: Trainer) -> None:
     )
 
 
-class HangWatchdog(Callback):
-    """Bounds how long a process waits for the others, then takes the whole job down.
+class Role(Enum):
+    """Which process of the job this one is, which decides what its watchdog does when the job fails."""
+
+    ALONE = "the job's one process"
+    LAUNCHER = "a process that started ranks (Lightning's launcher): it ends them and names the one that died"
+    LAUNCHED = "a rank Lightning's launcher started: it waits for the launcher's word, and names the launcher's death"
+    APART = "a rank started apart (torchrun, SLURM): it says a peer died, which the launcher then names"
+
+    @classmethod
+    def of(cls, trainer: Trainer) -> Role:
+        if trainer.local_rank > 0 and isinstance(internals.cluster_environment(trainer), LightningEnvironment):
+            return cls.LAUNCHED
+        if internals.launched_children(trainer):
+            return cls.LAUNCHER
+        return cls.APART if trainer.world_size > 1 else cls.ALONE
+
+
+class RankWatchdog(Callback):
+    """Bounds how long a process waits for the others, then takes the whole job down; names the rank that died (its
+    signal, the checkpoint to continue from); ends each rank's process group at exit. What it does is its ``role``'s.
 
     Args:
         timeout: seconds a collective (all-reduce, barrier) may wait for the other processes before the job
@@ -113,8 +132,8 @@ class HangWatchdog(Callback):
             )
         self.timeout = timeout
         self.grace = grace
-        self._dead: DeadRank | None = None  # in the launcher: the child rank whose death made it fail
-        self._launcher_wait: float | None = None  # in a rank it started: how long to wait for the launcher's word
+        self.role = Role.ALONE  # this process's, known at setup
+        self._dead: DeadRank | None = None  # as the launcher: the child rank whose death made it fail
         self._failing: threading.Event | None = None  # set when the launcher fails: it reports a dead child itself
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -123,14 +142,14 @@ class HangWatchdog(Callback):
         self._failing = threading.Event()
         # Lightning's launcher would SIGKILL this process the moment a child exits non-zero, saying nothing of it.
         internals.on_child_failure(lambda: self._child_failed(trainer))
-        if trainer.local_rank > 0:  # a rank that was started, and starts none
-            if isinstance(internals.cluster_environment(trainer), LightningEnvironment):
-                # Started by rank 0 (Lightning's launcher): its death is this rank's to report, then it ends.
-                self._watch_launcher(trainer)
-            else:
-                # A child rank dies with the process that started it (torchrun's agent), even when that one is
-                # SIGKILLed and runs no cleanup: a hung child would otherwise live on as an orphan.
-                die_with_parent()
+        before, self.role = self.role, Role.of(trainer)
+        if self.role is Role.LAUNCHED:
+            if before is not Role.LAUNCHED:  # else set up again (the test after fit): already watched
+                self._watch_launcher(trainer)  # rank 0 started this rank: its death is this rank's to report
+        elif trainer.local_rank > 0:
+            # A child rank dies with the process that started it (torchrun's agent), even when that one is SIGKILLed
+            # and runs no cleanup: a hung child would otherwise live on as an orphan.
+            die_with_parent()
         if dist.is_available() and dist.is_initialized():
             # Lightning destroys an NCCL group only: a gloo one left to the interpreter's finalisation now and then
             # aborts the process ("terminate called without an active exception"), failing a finished job.
@@ -138,18 +157,20 @@ class HangWatchdog(Callback):
             atexit.register(_end_process_group)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """The launcher is failing: stop the ranks it started, or a hung one would be left orphaned."""
+        """As the launcher, stop the ranks it started (a hung one would be left orphaned); as a rank started apart,
+        say that a peer died before the launcher's SIGTERM to the ranks left ends this one with a line of its own."""
         if not isinstance(exception, SIGTERMException):
             # A collective may be pending: destroying the group would wait for the other ranks, up to the timeout.
             atexit.unregister(_end_process_group)
-        children = internals.launched_children(trainer)
         timed_out = "timed out" in str(exception).lower() or "timeout" in type(exception).__name__.lower()
-        if not children:
-            if trainer.world_size > 1 and self._launcher_wait is None and not timed_out and lost_peer(exception):
-                # Started apart (torchrun, SLURM): another rank died, which the launcher names. Said now, before its
-                # SIGTERM to the ranks left ends this one with a line of its own.
-                _report_and_exit(DeadRank(None, None, None, _newest_checkpoint(trainer)), exception)
-            return
+        role = Role.of(trainer)  # also where the job failed before this callback's setup (a process group's start)
+        if role is Role.APART and not timed_out and lost_peer(exception):
+            _report_and_exit(DeadRank(None, None, None, _newest_checkpoint(trainer)), exception)
+        elif role is Role.LAUNCHER:
+            self._end_children(trainer, exception, timed_out)
+
+    def _end_children(self, trainer: Trainer, exception: BaseException, timed_out: bool) -> None:
+        children = internals.launched_children(trainer) or []
         if self._failing is not None:
             self._failing.set()
         if not timed_out:
@@ -162,9 +183,7 @@ class HangWatchdog(Callback):
             # The rank that died on its own (not killed below) is why this process failed: the job reports it.
             self._dead = self._dead or _first_dead(trainer, children)
         alive = [proc for proc in children if proc.poll() is None]
-        if not alive:
-            return
-        if self._dead is None:
+        if alive and self._dead is None:
             reason = (
                 f"a collective waited more than watchdog.timeout={self.timeout:g} s: another rank is hung or too slow"
                 if timed_out
@@ -183,8 +202,8 @@ class HangWatchdog(Callback):
         """The rank whose death made this process fail with ``err``, if this process knows it (the launcher knows its
         children's). A rank it started waits here for the launcher's word first (rank 0 reports a dead rank and kills
         this one; if rank 0 died, this rank's launcher watch says so)."""
-        if self._dead is None and self._launcher_wait is not None and lost_peer(err):
-            time.sleep(self._launcher_wait)
+        if self._dead is None and self.role is Role.LAUNCHED and lost_peer(err):
+            time.sleep(self.grace + 10)
         return self._dead
 
     def _child_failed(self, trainer: Trainer) -> None:
@@ -201,9 +220,6 @@ class HangWatchdog(Callback):
     def _watch_launcher(self, trainer: Trainer) -> None:
         """When rank 0, which started this rank, dies without ending it (SIGKILL, a segfault), say so in one line and
         end, even while this rank is busy or hung."""
-        if self._launcher_wait is not None:
-            return  # set up again (the test after fit): already watched
-        self._launcher_wait = self.grace + 10
         parent, rank = os.getppid(), trainer.global_rank - trainer.local_rank
 
         def watch() -> None:
@@ -214,9 +230,12 @@ class HangWatchdog(Callback):
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
+HangWatchdog = RankWatchdog  # its former name, until commands/cli.py and trainer_arguments.py import RankWatchdog
+
+
 def dead_rank(err: BaseException, trainer: Trainer | None) -> DeadRank | None:
     """The rank whose death made this process fail with ``err``, as ``trainer``'s hang watchdog knows it."""
-    watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)] if trainer is not None else []
+    watchdogs = [c for c in trainer.callbacks if isinstance(c, RankWatchdog)] if trainer is not None else []
     return watchdogs[0].dead_rank(err) if watchdogs else None
 
 

@@ -1,12 +1,13 @@
 """``trainer.devices``: the one reading of its values, ``free:N`` (the N visible GPUs with the most free memory, read
 through NVML: torch would put a CUDA context on every GPU it asks, busy ones too), the devices a process trains on,
-and the float32 matmul precision."""
+and the float32 matmul precision; each process-wide setting undone when the command ends (``settings_restored``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -241,6 +242,26 @@ def _visible_handles(pynvml: Any, hidden: str | None) -> list[Any]:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value  # older NVML bindings return bytes
+
+
+@contextlib.contextmanager
+def settings_restored() -> Iterator[None]:
+    """The process-wide settings a command makes for its run, as they were once it ends: the environment variables its
+    DDP processes inherit (a CPU run's ``CUDA_VISIBLE_DEVICES=""``, ``free:N``'s choice and CUDA's device order) and
+    torch's float32 matmul precision. A second command in the process (a notebook, a test) sees the GPUs again."""
+    environment = {
+        name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", HANDOFF_VARIABLE, "CUDA_DEVICE_ORDER")
+    }
+    precision = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def hide_gpus_from_cpu_run(trainer: Mapping[str, Any]) -> None:
