@@ -291,9 +291,32 @@ def test_a_loader_that_cannot_be_exact_is_named_at_stop_time(tmp_path: Path) -> 
     lines = [line for line in output.splitlines() if "Not exact" in line]
     assert len(lines) == 1, output[-3000:]
     assert "training loader 0 (DataLoader over _Stream)" in lines[0] and "batch 3 of epoch 0" in lines[0]
-    assert "IterableDataset" in lines[0] and "read twice" in lines[0]
+    assert "IterableDataset" in lines[0] and "about 3 batches are trained on twice, as many not at all" in lines[0]
     # Said before the stop's own line, which says how to continue.
     assert output.index("Not exact") < output.index("Stopping on SIGTERM"), output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stream_without_length_says_the_epoch_is_read_again_and_so_it_is(tmp_path: Path) -> None:
+    """An IterableDataset without ``__len__``: its epoch ends where the data does, so the restart reads it whole again
+    and trains as many steps more as the stop had done; the stop and the restart each say so in one line."""
+    (tmp_path / "fault.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: fault.Fault\n      init_args: {moment: train_batch, batch: 2}\n"
+    )
+    base = [arg for arg in matrix.BASE if not arg.startswith(("--trainer.limit_train", "--trainer.val_check"))]
+    command = [
+        sys.executable, "-m", PACKAGE, "fit", "--config", str(CONFIGS / "default.yaml"), *base,
+        "--trainer.max_epochs=1", "--data.class_path=user_code.plain_data.EndlessDigits",
+    ]  # fmt: skip
+    env = matrix._env(tmp_path)
+    assert matrix._start([*command, "--config", "fault.yaml"], tmp_path, env) == 128 + 15
+    assert matrix._start(command, tmp_path, env) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    output = (tmp_path / "run.log").read_text()
+    said = "the first 3 batches are trained on twice (3 steps more)"
+    assert sum(said in line for line in output.splitlines()) == 2, output[-3000:]
+    assert "inf" not in " ".join(line for line in output.splitlines() if said in line)
+    assert "not resumable" not in output, "Lightning's own warning is left out: the line says it"
+    assert matrix._last(tmp_path)["global_step"] == 3 + 1400 // 64 + 1  # 22 batches of 64 and one of 56
 
 
 def test_the_user_matrix_covers_what_it_promises() -> None:

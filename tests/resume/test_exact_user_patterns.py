@@ -66,7 +66,7 @@ PATTERNS: dict[str, tuple[str, list[str], int, int]] = {
     "augmentation-persistent-workers": (
         "default.yaml", [NET, f"{DATA}patterns.Augmented", "--data.num_workers=2", "--data.persistent=true"], 16, 4
     ),
-    "augmentation-ddp-workers": ("ddp_cpu.yaml", [NET, f"{DATA}patterns.Augmented", "--data.num_workers=2"], 8, 4),
+    "augmentation-ddp-workers": ("ddp_cpu.yaml", [NET, f"{DATA}patterns.Augmented", "--data.num_workers=2"], 16, 4),
     "backbone-finetuning": (
         "default.yaml", [f"{MODEL}Backbone", PLAIN, "--trainer.max_epochs=3", "--config", USER("finetuning")], 24, 6
     ),
@@ -74,7 +74,9 @@ PATTERNS: dict[str, tuple[str, list[str], int, int]] = {
     "swa": ("default.yaml", [NET, PLAIN, "--config", USER("swa")], 16, 4),
     "epoch-start-hooks": ("default.yaml", [f"{MODEL}EpochStart", PLAIN, "--trainer.max_epochs=3"], 24, 6),
     "two-loaders": ("default.yaml", [f"{MODEL}TwoLoaderNet", f"{DATA}patterns.TwoLoaders"], 16, 4),
-    "two-loaders-ddp": ("ddp_cpu.yaml", [f"{MODEL}TwoLoaderNet", f"{DATA}patterns.TwoLoaders"], 8, 4),
+    "two-loaders-ddp": ("ddp_cpu.yaml", [f"{MODEL}TwoLoaderNet", f"{DATA}patterns.TwoLoaders"], 16, 4),
+    # A module's own per-rank value in on_save_checkpoint: each rank gets its own back.
+    "rank-mean-ddp": ("ddp_cpu.yaml", [f"{MODEL}RankMean", PLAIN], 16, 4),
 }  # fmt: skip
 # Stopped in the first epoch too; those of three epochs in the third as well.
 HOOKS = ["backbone-finetuning", "accumulation-schedule", "swa", "epoch-start-hooks"]

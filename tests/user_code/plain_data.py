@@ -77,3 +77,20 @@ class StreamDigits(PlainDigits):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_Stream(self.train), batch_size=self.batch_size)
+
+
+class _Endless(IterableDataset):
+    """A stream without a length: its epoch ends where its data does."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        yield from self.data
+
+
+class EndlessDigits(PlainDigits):
+    """An IterableDataset without ``__len__`` in a plain DataLoader."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Endless(self.train), batch_size=self.batch_size)

@@ -5,6 +5,9 @@ save) is written only where Lightning resumes exactly."""
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
+import pickle
 import warnings
 from enum import Enum
 from typing import Any
@@ -95,6 +98,7 @@ class ExactResume(Callback):
         # strategy's do (on the instance, undone at teardown).
         strategy = trainer.strategy
         process, train_start = strategy.process_dataloader, strategy.on_train_start
+        save, load = strategy.save_checkpoint, strategy.load_checkpoint
 
         def process_dataloader(dataloader: object) -> object:
             dataloader = process(dataloader)
@@ -108,12 +112,21 @@ class ExactResume(Callback):
             train_start()
             self._continue(trainer, trainer.lightning_module)
 
-        vars(strategy).update(process_dataloader=process_dataloader, on_train_start=on_train_start)
+        def save_checkpoint(checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+            save(_keep_per_rank(checkpoint), *args, **kwargs)
+
+        def load_checkpoint(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            return _own_rank(load(*args, **kwargs), trainer.global_rank)
+
+        vars(strategy).update(
+            process_dataloader=process_dataloader, on_train_start=on_train_start, save_checkpoint=save_checkpoint,
+            load_checkpoint=load_checkpoint,
+        )  # fmt: skip
         self._wrapped = strategy
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._wrapped is not None:
-            for name in ("process_dataloader", "on_train_start"):
+            for name in ("process_dataloader", "on_train_start", "save_checkpoint", "load_checkpoint"):
                 vars(self._wrapped).pop(name, None)  # the class's methods are back
             self._wrapped = None
         warnings.filters[:] = [entry for entry in warnings.filters if entry not in self._ignored]
@@ -165,7 +178,7 @@ class ExactResume(Callback):
                 name = f"{type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
                 rank_zero_info(
                     f"Not exact: training loader {index} ({name}) cannot be put back at batch {done} of epoch "
-                    f"{trainer.current_epoch}: {reason}; {_what_repeats(loader, done, trainer.num_training_batches)}."
+                    f"{trainer.current_epoch}: {reason}; {_what_repeats(done, trainer.num_training_batches)}."
                     " See docs/reliability.md, Exact at any step."
                 )
 
@@ -303,10 +316,10 @@ class ExactResume(Callback):
         done, total = self._batches_done, trainer.num_training_batches
         for index, loader in enumerate(loaders):
             if not (is_stateful(loader) or getattr(wrapped(loader), "resuming", False)):
-                rank_zero_warn(
+                rank_zero_info(
                     f"Resuming in the middle of epoch {trainer.current_epoch} after {done} batches: training loader "
                     f"{index} cannot be put back at its place, so this run is not an exact continuation; "
-                    f"{_what_repeats(loader, done, total)}. See docs/reliability.md, Exact at any step."
+                    f"{_what_repeats(done, total)}. See docs/reliability.md, Exact at any step."
                 )
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -320,6 +333,43 @@ class ExactResume(Callback):
         loaders: list[DataLoader] = []
         apply_to_collection(self._trainer.train_dataloader, DataLoader, loaders.append)
         return loaders
+
+
+# What every rank holds alike, or holds its own shard of (a sharded strategy's weights), is not compared.
+_NOT_PER_RANK = ("state_dict", "optimizer_states", "loops", "callbacks")
+
+
+def _keep_per_rank(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint with what differs between ranks (a module's, a DataModule's or a callback's own, added in
+    ``on_save_checkpoint``) kept for every rank under ``per_rank``: rank 0's stays in place, each rank gets its own
+    back at load (``_own_rank``). Called on every rank: two all-gathers where values differ, one where none do."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return checkpoint
+    own = _own_values(checkpoint)
+    digests = {name: hashlib.sha1(pickle.dumps(_cpu(value))).hexdigest() for name, value in own.items()}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digests)
+    differing = [name for name in own if any(d.get(name) != digests[name] for d in every)]
+    if not differing:
+        return checkpoint
+    dist.all_gather_object(every, [_cpu(own[name]) for name in differing])
+    ranks = [[section, key, [values[i] for values in every]] for i, (section, key) in enumerate(differing)]
+    return {**checkpoint, "per_rank": ranks}
+
+
+def _own_values(checkpoint: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    own = {("", k): v for k, v in checkpoint.items() if k not in _NOT_PER_RANK}
+    callbacks = checkpoint.get("callbacks", {})
+    own.update({("callbacks", k): v for k, v in callbacks.items() if k != ExactResume.__name__})
+    return own
+
+
+def _own_rank(checkpoint: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A loaded checkpoint with this rank's own values where ``_keep_per_rank`` kept each rank's."""
+    for section, key, values in checkpoint.pop("per_rank", []):
+        if rank < len(values):
+            (checkpoint[section] if section else checkpoint)[key] = values[rank]
+    return checkpoint
 
 
 def _plateau_monitors(trainer: Trainer) -> list[str]:
@@ -363,9 +413,10 @@ def _not_exact_reason(loader: DataLoader) -> str | None:
     return reason
 
 
-def _what_repeats(loader: DataLoader, done: int, total: float) -> str:
-    """What the restart of a loader that cannot be put back at batch ``done`` trains on, in one clause."""
-    if not has_len(loader):  # the epoch ends where the data does: it is read whole again
+def _what_repeats(done: int, total: float) -> str:
+    """What the restart of a loader that cannot be put back at batch ``done`` of an epoch of ``total`` batches trains
+    on, in one clause."""
+    if math.isinf(total):  # the epoch ends where the data does: it is read whole again
         return (
             f"the restart reads the epoch's data again from its start: the first {done} batches are trained on "
             f"twice ({done} steps more)"
