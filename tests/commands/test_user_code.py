@@ -5,9 +5,12 @@ import inspect
 import json
 import pydoc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from lightning.pytorch import LightningModule
+from torch import nn
 
 import template
 from tests.conftest import TESTS, cli_env, pythonpath
@@ -238,9 +241,9 @@ def test_a_chosen_class_is_parsed_once_when_named_by_class_path(tmp_path, monkey
     calls, configs = [], []
     parse = cli.CLI._parse
 
-    def counted(self, parser, args):  # noqa: ANN001, ANN202
+    def counted(self, parser, args, *rest):  # noqa: ANN001, ANN002, ANN202
         calls.append(args)
-        parse(self, parser, args)
+        parse(self, parser, args, *rest)
 
     class Parsed(Exception):
         pass
@@ -260,6 +263,69 @@ def test_a_chosen_class_is_parsed_once_when_named_by_class_path(tmp_path, monkey
     assert fit["data"]["class_path"].endswith(expected)
     if init_args is not None:
         assert dict(vars(fit["data"]["init_args"])) == init_args  # Waves' own defaults, not the digits' batch_size
+
+
+BORING = "lightning.pytorch.demos.boring_classes."
+
+
+class OptionalNet(LightningModule):
+    """A user's module whose network is optional: a layer of its own unless one is named."""
+
+    def __init__(self, net: nn.Module | None = None, lr: float = 0.1) -> None:
+        super().__init__()
+        self.net, self.lr = net or nn.Linear(32, 2), lr
+
+
+def _built(tmp_path, monkeypatch, options: list[str]) -> tuple[Any, int]:  # noqa: ANN001
+    """The command line built in process for ``options`` (its model and data), and how many parses it took."""
+    from template.engine.commands import cli
+
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    parse = cli.CLI._parse
+
+    def counted(self, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append(args)
+        parse(self, *args)
+
+    monkeypatch.setattr(cli.CLI, "_parse", counted)
+    return cli.build_cli([*options, "--trainer.logger=false", "--trainer.accelerator=cpu"], run=False), len(calls)
+
+
+@pytest.mark.timeout(120)  # this hung for ever, at 100% CPU, in a re-parse loop
+@pytest.mark.parametrize("how", ["options", "class_path", "yaml"])
+def test_classes_without_arguments_are_read_in_one_parse(tmp_path, monkeypatch, how) -> None:  # noqa: ANN001
+    # Lightning's demo classes take no constructor arguments, like a prototype's: named in any spelling, one parse.
+    names = {"model": f"{BORING}BoringModel", "data": f"{BORING}BoringDataModule"}
+    (tmp_path / "boring.yaml").write_text(yaml.safe_dump({key: {"class_path": path} for key, path in names.items()}))
+    options = {
+        "options": [f"--{key}={path}" for key, path in names.items()],
+        "class_path": [f"--{key}.class_path={path}" for key, path in names.items()],
+        "yaml": ["--config", "boring.yaml"],
+    }[how]
+    built, parses = _built(tmp_path, monkeypatch, options)
+    assert (type(built.model).__name__, type(built.datamodule).__name__) == ("BoringModel", "BoringDataModule")
+    assert parses == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("net", "built", "parses"), [([], "Linear", 1), (["--model.net=torch.nn.Identity"], "Identity", 1)]
+)
+def test_a_users_optional_net_builds_as_its_signature_says(tmp_path, monkeypatch, net, built, parses) -> None:  # noqa: ANN001
+    # None is the module's own default: not the example's MLP, which the example's Classifier takes as its `net`.
+    options = [f"--model={__name__}.OptionalNet", *net, f"--data={BORING}BoringDataModule"]
+    cli, parsed = _built(tmp_path, monkeypatch, options)
+    assert type(cli.model.net).__name__ == built and cli.model.lr == 0.1
+    assert parsed == parses
+
+
+@pytest.mark.timeout(120)
+def test_a_class_in_place_of_a_signatures_default_takes_a_second_parse_and_its_own_defaults(tmp_path, monkeypatch):  # noqa: ANN001
+    # The example's Classifier defaults to Adam (lr 0.001); RMSprop's own lr is 0.01. The only case for a second parse.
+    cli, parses = _built(tmp_path, monkeypatch, ["--model.optimizer=torch.optim.RMSprop"])
+    assert cli.config["model.init_args.optimizer.init_args.lr"] == 0.01
+    assert parses == 2
 
 
 @pytest.mark.slow  # a fit and a predict

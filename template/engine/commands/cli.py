@@ -161,27 +161,31 @@ class CLI(LightningCLI):
         print_config = internals.print_config_action()
         with print_config.skip_print_config():  # printed below, once the config is what the run will use
             # jsonargparse hands a class chosen in place of another (the example's, a signature's default) that one's
-            # values for the arguments they share. The classes chosen become the parser's defaults (parsed again
-            # where one replaced another): each gets its own signature's defaults, at every depth, for every command.
-            defaults, parse = _named_classes(argv, files), True  # the files' and options' model and data: a guess
-            while parse is not None:
-                for each in self.parsers:
-                    each.set_defaults(defaults)
-                try:
-                    if parse:
-                        self._parse(parser, args)
-                except ArgumentError as err:  # named with the config file that set an option, where one did
-                    raise errors.parser_error(err, files=files) from None
-                expanded = self.parsers[-1].get_defaults(skip_validation=True)
-                defaults, parse = _own_defaults(_of_subcommand(self.config), expanded)
+            # values for the arguments they share. The model and data the files and options name are the defaults of
+            # the first parse; where it chose a class in place of another at any depth, the classes chosen are the
+            # defaults of a second, the last: each gets its own signature's defaults, for every command.
+            self._parse(parser, args, _named_classes(argv, files), files)
+            chosen = _class_paths(_of_subcommand(self.config))
+            replaced = _class_paths(self.parsers[-1].get_defaults(skip_validation=True))
+            # (A default's path is the shortest import path, e.g. lightning.pytorch.demos.BoringModel: compared as
+            # the classes they name.)
+            if any(blame.located(replaced.get(key, "")) not in (None, blame.located(p)) for key, p in chosen.items()):
+                self._parse(parser, args, Namespace(chosen).as_dict(), files)
         config = _of_subcommand(self.config)
         preflight.check_sections(files, self.parsers[-1].groups, config)  # trainer, model, data: each a mapping
         self.fit_run = settle(config, self.config.get("subcommand"), self.folders)
         print_config.print_config_if_requested(parser, self.config)
 
-    def _parse(self, parser: LightningArgumentParser, args: Any) -> None:
-        # LightningCLI's, without its warning that `args` and sys.argv are both given: from Python `args` are meant.
-        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
+    def _parse(self, parser: LightningArgumentParser, args: Any, defaults: dict[str, Any], files: dict) -> None:
+        """Parse with ``defaults`` for the model and data; a refusal is named with the config file that set the
+        option, where one did. LightningCLI's parse, without its warning that ``args`` and sys.argv are both given:
+        from Python ``args`` are meant."""
+        for each in self.parsers:
+            each.set_defaults(defaults)
+        try:
+            self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
+        except ArgumentError as err:
+            raise errors.parser_error(err, files=files) from None
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -358,20 +362,9 @@ def _named_classes(argv: list[str], files: dict[str, dict[str, Any]]) -> dict[st
     return {key: {"class_path": chosen[key]} if key in chosen else EXAMPLE_DEFAULTS[key] for key in EXAMPLE}
 
 
-def _own_defaults(config: Namespace, expanded: Namespace) -> tuple[dict[str, Any], bool | None]:
-    """The class paths of the model and data in ``config`` at every depth, as parser defaults; none below a class that
-    ``expanded`` (the defaults it was parsed with) does not name there. With True where one replaced another class
-    (jsonargparse carried that one's values over: parse again), False where it stands in place of none, else None."""
-    chosen, before = (
-        {k: v for k, v in c.items() if k.endswith(".class_path") and k.split(".")[0] in EXAMPLE}
-        for c in (config, expanded)
-    )
-    changed = [key.removesuffix("class_path") for key, path in chosen.items() if before.get(key) != path]
-    defaults = Namespace()
-    for key, path in chosen.items():
-        if not any(key.startswith(above) and key != f"{above}class_path" for above in changed):
-            defaults[key] = path
-    return defaults.as_dict(), any(before.get(f"{above}class_path") for above in changed) if changed else None
+def _class_paths(config: Namespace) -> dict[str, str]:
+    """The class paths of the model and data in ``config``, at every depth, by their dotted keys."""
+    return {k: v for k, v in config.items() if k.endswith(".class_path") and k.split(".")[0] in EXAMPLE}
 
 
 class _AppliedLinksOnly(internals.instantiator_class()):
@@ -387,7 +380,13 @@ def _reached(link: str, kwargs: dict[str, Any]) -> bool:
     names = [name for name in link.split(".")[1:] if name != "init_args"]
     if not names or names[0] not in kwargs:
         return False
-    return len(names) == 1 or len(names) == 2 and names[1] in inspect.signature(type(kwargs[names[0]])).parameters
+    built = kwargs[names[0]]  # None where the user's `net: nn.Module | None = None` is left unset
+    return (
+        len(names) == 1
+        or len(names) == 2
+        and built is not None
+        and names[1] in inspect.signature(type(built)).parameters
+    )
 
 
 def _attribute(name: str, data: LightningDataModule) -> Any:
