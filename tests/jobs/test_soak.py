@@ -45,6 +45,13 @@ GRACE = 30  # seconds a container gets between its SIGTERM and the SIGKILL (Kube
 SOAK = {
     "single": ("default.yaml", [], 0.7, 0.3),
     "workers": ("default.yaml", ["--data.num_workers=2"], 1.5, 0.3),
+    # Random augmentation in the Dataset's __getitem__ (torch, Python and NumPy draws), read by 2 workers.
+    "augmentation-workers": (
+        "default.yaml",
+        ["--data.class_path=user_code.patterns.Augmented", "--data.num_workers=2"],
+        1.5,
+        0.3,
+    ),
     "ddp": ("ddp_cpu.yaml", [], 4, 0.35),
     "s3": ("default.yaml", [], 1.5, 0.35),
 }
