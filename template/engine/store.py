@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import os
 import secrets
 import shutil
@@ -32,9 +33,8 @@ class Lock:
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
-        held = weakref.ref(self)
-        # Closing the child's descriptor leaves the parent's lock (an unlock would release it for both).
-        os.register_at_fork(after_in_child=lambda: (lock := held()) is not None and lock.release())
+        _HELD.add(self)
+        _release_in_forked_children()
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -43,6 +43,16 @@ class Lock:
                 os.close(fd)
 
     __del__ = release  # unreachable, it could never be released
+
+
+_HELD: weakref.WeakSet[Lock] = weakref.WeakSet()
+
+
+@functools.cache
+def _release_in_forked_children() -> None:
+    """One fork hook for the process, whatever the number of locks: closing the child's descriptors leaves the
+    parent's locks (an unlock would release them for both)."""
+    os.register_at_fork(after_in_child=lambda: [lock.release() for lock in list(_HELD)])
 
 
 def try_lock(path: str | os.PathLike) -> Lock | None:

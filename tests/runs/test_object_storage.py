@@ -9,6 +9,7 @@ without a lock per key); docs/reliability.md says so.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -367,19 +368,19 @@ def test_the_pointer_moves_only_after_the_logs_written_before_its_checkpoint(
     run = remote.local / "lightning_logs" / "r"
     (run / "checkpoints").mkdir(parents=True)
     held, uploads = threading.Event(), []
-    put_file, pipe_file = remote.fs.put_file, remote.fs.pipe_file
+    put_file, pipe_file = remote.fs._put_file, remote.fs._pipe_file
 
-    def put(local: str, key: str, **kwargs: object) -> None:
-        held.wait(timeout=60)
+    async def put(local: str, key: str, **kwargs: object) -> None:
+        await asyncio.to_thread(held.wait, 60)
         uploads.append((Path(local).name, Path(local).read_text()))
-        put_file(local, key, **kwargs)
+        await put_file(local, key, **kwargs)
 
-    def pipe(key: str, value: bytes, **kwargs: object) -> None:
+    async def pipe(key: str, value: bytes, **kwargs: object) -> None:
         uploads.append((key.rsplit("/", 1)[-1], value.decode()))
-        pipe_file(key, value, **kwargs)
+        await pipe_file(key, value, **kwargs)
 
-    monkeypatch.setattr(remote.fs, "put_file", put)
-    monkeypatch.setattr(remote.fs, "pipe_file", pipe)
+    monkeypatch.setattr(remote.fs, "_put_file", put)  # the uploads' requests, on fsspec's event loop
+    monkeypatch.setattr(remote.fs, "_pipe_file", pipe)
     try:
         (run / "hparams.yaml").write_text("{}\n")
         remote.sync(run)  # the upload held
@@ -399,6 +400,47 @@ def test_the_pointer_moves_only_after_the_logs_written_before_its_checkpoint(
     assert "metrics.csv" in names[:pointer], uploads
     assert uploads[names.index("metrics.csv")][1].startswith("step\n0\n1\n2\n"), uploads
     assert names[names.index("last.ckpt") + 1] == "newest" and uploads[pointer][1] == "last.ckpt", uploads
+
+
+def test_a_fenced_run_cancels_its_own_requests_and_nobody_elses(
+    in_process: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its lease lost, the run cancels its upload under way at once; fsspec's event loop is the whole process's, and
+    # what else runs on it (the user's own s3fs work, a later command's requests) goes on as if nothing happened.
+    from template.engine.errors import DiskError
+    from template.engine.runs.remote import RemoteRoot
+
+    bucket = in_process.bucket()
+    remote = RemoteRoot(f"{bucket}/runs")
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def stuck(*args: object, **kwargs: object) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(120)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def theirs() -> str:
+        await asyncio.sleep(3)
+        return "still running"
+
+    monkeypatch.setattr(remote.fs, "_put_file", stuck)
+    (remote.local / "r").mkdir()
+    (remote.local / "r" / "metrics.csv").write_text("step\n0\n")
+    try:
+        remote.sync(remote.local / "r")
+        assert started.wait(timeout=60)
+        other = asyncio.run_coroutine_threadsafe(theirs(), remote.fs.loop)
+        remote.fence(DiskError("lease lost"))
+        assert cancelled.wait(timeout=10)
+        with pytest.raises(DiskError, match="lease lost"):
+            remote.flush()
+        assert other.result(timeout=30) == "still running"
+    finally:
+        remote.close()
+    assert in_process.fs().find(bucket.removeprefix("s3://")) == []  # nothing written
 
 
 @pytest.mark.parametrize("case", MISTAKES, ids=list(MISTAKES))

@@ -5,6 +5,7 @@ pointer written after it; one start at a time holds the run's lease, an object c
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import json
@@ -17,6 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,14 @@ _S3_OPTIONS = {
 }
 _SECRETS = ("key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _LIGHTNING_LINES = "lightning.pytorch.utilities.rank_zero"
+
+
+class Upload(Enum):
+    """What the upload thread does with a file of the local copy, in the order queued."""
+
+    PUT = "put"  # upload it whole
+    NEWEST = "newest"  # upload it, then point the run at it (a checkpoint)
+    REMOVE = "rm"  # remove it from the store, once the pointer names another
 
 
 class RemoteRoot:
@@ -71,7 +81,8 @@ class RemoteRoot:
         self._owned = self.url not in copies
         # Checkpoints read from the store: apart from the copy, whose checkpoints are this start's own.
         self.fetched = Path(tempfile.mkdtemp(prefix="run-folder-read-"))
-        self._queue: dict[Path, str] = {}  # local file -> "put", "newest" (put, then point at it) or "rm"; in order
+        self._queue: dict[Path, Upload] = {}  # in order
+        self._requests: set[concurrent.futures.Future] = set()  # the run's own, on fsspec's (shared) event loop
         self._busy = False
         self._synced: dict[Path, tuple[int, int]] = {}
         self._changed = threading.Condition()
@@ -147,10 +158,10 @@ class RemoteRoot:
     def push(self, local: Path, newest: bool = False) -> None:
         """Upload ``local`` (a file of the copy) after what is queued; ``newest``: then point the run at it. A
         checkpoint pushed again before its upload started moves to the end, so the pointer follows the newest push."""
-        self._enqueue(Path(local), "newest" if newest else "put")
+        self._enqueue(Path(local), Upload.NEWEST if newest else Upload.PUT)
 
     def remove(self, local: Path) -> None:
-        self._enqueue(Path(local), "rm")
+        self._enqueue(Path(local), Upload.REMOVE)
 
     def sync(self, folder: Path, recursive: bool = True) -> None:
         """Upload the files of a run folder changed since its last sync, checkpoints aside (each is pushed whole)."""
@@ -158,7 +169,7 @@ class RemoteRoot:
         for path in sorted(p for p in files if p.is_file() and CHECKPOINTS not in p.relative_to(folder).parts):
             if self._synced.get(path) != (stamp := _stamp(path)):
                 self._synced[path] = stamp
-                self._enqueue(path, "put")
+                self._enqueue(path, Upload.PUT)
 
     def flush(self) -> None:
         """Wait for every upload queued; the first failure, as one line."""
@@ -179,12 +190,12 @@ class RemoteRoot:
         if self._owned:
             shutil.rmtree(self.local, ignore_errors=True)
 
-    def _enqueue(self, path: Path, action: str) -> None:
+    def _enqueue(self, path: Path, action: Upload) -> None:
         with self._changed:
             self._raise()
             # A checkpoint moves to the end: the pointer follows the newest push. A log file (put) queued already keeps
             # its place, before the checkpoints queued after it whose steps it holds: its upload reads it as it is then.
-            if action != "put" or path not in self._queue:
+            if action != Upload.PUT or path not in self._queue:
                 self._queue.pop(path, None)
                 self._queue[path] = action
             self._changed.notify_all()
@@ -203,17 +214,17 @@ class RemoteRoot:
                 del self._queue[path]
                 self._busy = True
             try:
-                if action == "rm":
+                if action == Upload.REMOVE:
                     deferred.add(path)
                 elif path.exists():  # else removed before its turn
-                    self._write(self.fs.put_file, str(path), self.key(path))
-                    if action == "newest":
-                        self._write(self.fs.pipe_file, self.key(path.parent / POINTER), path.name.encode())
+                    self._write("put_file", str(path), self.key(path))
+                    if action == Upload.NEWEST:
+                        self._write("pipe_file", self.key(path.parent / POINTER), path.name.encode())
                         pointed = path.name
                 for old in [old for old in deferred if old.name != pointed]:
                     deferred.discard(old)
                     with contextlib.suppress(FileNotFoundError):
-                        self._write(self.fs.rm_file, self.key(old))
+                        self._write("rm_file", self.key(old))
             except Exception as err:  # the training thread raises it at its next push or flush
                 with self._changed:
                     self.failure = self.failure or self._error(err, f"write {self.url_of(path)}")
@@ -222,18 +233,35 @@ class RemoteRoot:
                     self._busy = False
                     self._changed.notify_all()
 
-    def _write(self, call: Any, *args: Any) -> None:
+    def _write(self, method: str, *args: Any) -> None:
         """One write to the store, unless the run's lease has fenced it off."""
         self._raise()
-        call(*args)
+        self.request(method, *args)
+
+    def request(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """``fs.<method>(...)`` as one of the run's requests, which ``fence`` cancels, on fsspec's event loop (shared
+        with every other fsspec user of the process, whose requests go on); a TimeoutError after ``timeout`` s."""
+        future = asyncio.run_coroutine_threadsafe(getattr(self.fs, f"_{method}")(*args, **kwargs), self.fs.loop)
+        self._requests.add(future)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()  # not left to land later
+            raise
+        except concurrent.futures.CancelledError:
+            self._raise()  # fenced
+            raise
+        finally:
+            self._requests.discard(future)
 
     def fence(self, lost: DiskError) -> None:
-        """Write nothing more to the store (the lease was not renewed, or taken over): requests under way are
-        cancelled, and the training thread raises ``lost`` at its next push or flush."""
+        """Write nothing more to the store (the lease was not renewed, or taken over): the run's requests under way
+        are cancelled, and the training thread raises ``lost`` at its next push or flush."""
         with self._changed:
             self.failure = lost
             self._changed.notify_all()
-        self.fs.loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks()])
+        for future in list(self._requests):
+            future.cancel()
 
     def _raise(self) -> None:
         if self.failure is not None:
@@ -318,8 +346,8 @@ class Lease:
             try:
                 if left <= 0:
                     raise TimeoutError(reason)
-                # Cancelled at the fence: a renewal landing later could follow a taker's.
-                done = self.remote.fs.pipe_file(self.key, self._body(), IfMatch=self.etag, timeout=left)
+                # Cancelled when it times out: a renewal landing later could follow a taker's.
+                done = self.remote.request("pipe_file", self.key, self._body(), IfMatch=self.etag, timeout=left)
                 self.etag, self.renewed, reason = done["ETag"], sent, ""
             except Exception as err:
                 why = one_line(err)[:200] or type(err).__name__
