@@ -51,7 +51,7 @@ CASES: dict[str, tuple[tuple[str, ...], bool, str | None]] = {
     "fsdp_cpu.yaml": (("--config", str(DEFAULT)), True, None),
     "fsdp.yaml": (() if GPUS >= 2 else ON_CPU, True, None),  # FSDP2 and bf16-mixed run on CPU processes too
     "dp.yaml": ((), False, None),  # GPU only: marked gpu(2), the file lists devices [0, 1]
-    # Its 2 nodes x 4 GPUs become 1 node x 2 CPU processes: the strategy, global batch and LR scaling still apply.
+    # Its 2 nodes x 4 GPUs become 1 node x 2 CPU processes: the strategy and the split batch still apply.
     "multinode.yaml": (("--trainer.num_nodes=1", *ON_CPU), True, None),
     "mlflow.yaml": (
         ("--config", str(DEFAULT)),
@@ -165,3 +165,47 @@ def test_a_file_stacked_after_the_users_changes_only_its_concern(name: str, run_
     assert printed.returncode == 0, printed.stderr[-3000:]
     trainer = yaml.safe_load(printed.stdout)["trainer"]
     assert (trainer["max_epochs"], trainer["log_every_n_steps"]) == (7, 3)
+
+
+# The parallelism files, and how many processes each runs.
+PARALLELISM = {"ddp_cpu.yaml": 2, "ddp.yaml": 2, "dp.yaml": 1, "fsdp.yaml": 2, "fsdp_cpu.yaml": 2, "multinode.yaml": 8}
+USERS = "trainer:\n  max_epochs: 7\ndata:\n  init_args:\n    batch_size: 48\nmodel:\n  init_args:\n    optimizer:\n"
+USERS += "      class_path: torch.optim.Adam\n      init_args:\n        lr: 0.003\n"
+
+
+def _keys(section: object, above: str = "") -> list[str]:
+    items = section.items() if isinstance(section, dict) else ()
+    return [name for key, value in items for name in (f"{above}{key}", *_keys(value, f"{above}{key}."))]
+
+
+@pytest.mark.parametrize("name", list(PARALLELISM))
+def test_a_parallelism_file_keeps_the_configs_batch_and_learning_rate(name: str, run_main, tmp_path: Path) -> None:
+    from lightning.pytorch import Trainer
+
+    from template.data import DigitsDataModule
+    from template.engine.strategies.scaling import BatchScaling
+
+    assert not [key for key in _keys(yaml.safe_load((CONFIGS / name).read_text())) if key.endswith("batch_size")]
+    (tmp_path / "mine.yaml").write_text(USERS)
+    printed = run_main("fit", "--config", "mine.yaml", "--config", CONFIGS / name, "--print_config")
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    config = yaml.safe_load(printed.stdout)
+    assert config["data"]["init_args"]["batch_size"] == 48
+    assert config["model"]["init_args"]["optimizer"]["init_args"]["lr"] == 0.003
+    # What each of the file's processes then loads: its share of the batch of one optimizer step, 48 as on one device.
+    scaling, world = BatchScaling(**config["scaling"]), PARALLELISM[name]
+    assert scaling.lr_scaling == "none"
+    if world > 1:  # dp's one process loads the whole batch and splits it over the GPUs
+        nodes = 2 if world == 8 else 1
+        trainer = Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy="ddp", logger=False)
+        assert scaling.apply_batch_size(trainer, DigitsDataModule(batch_size=48)) * world == 48
+
+
+def test_two_batch_settings_that_clash_are_one_line(run_main, tmp_path: Path) -> None:
+    (tmp_path / "mine.yaml").write_text(f"{USERS}scaling:\n  global_batch_size: 64\n")
+    done = run_main("fit", "--config", "mine.yaml", "--config", CONFIGS / "ddp_cpu.yaml", "--trainer.logger=false")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: data.batch_size=48 and scaling.global_batch_size=64 both set the batch (the global one gives 32 per "
+        "process); keep one of them"
+    )

@@ -20,6 +20,7 @@ from template.engine.internals import child_schedulers, last_lr_attributes
 from template.engine.logs.console import Mechanism
 
 LRScaling = Literal["none", "linear", "sqrt"]
+OPTION = "scaling.global_batch_size"
 
 # Every learning rate a schedule keeps in the optimizer's param groups (OneCycleLR keeps max_lr and min_lr there).
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -27,13 +28,16 @@ _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 _SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs")
 
 
-def per_process_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
-    """The DataLoader batch of one process such that one optimizer step sees ``global_batch_size`` samples."""
+def per_process_batch_size(
+    global_batch_size: int, world_size: int, accumulate_grad_batches: int, option: str = OPTION
+) -> int:
+    """The DataLoader batch of one process such that one optimizer step sees ``global_batch_size`` samples (the value
+    of ``option``, which a refusal names)."""
     shares = world_size * accumulate_grad_batches
     if global_batch_size % shares:
         below = global_batch_size - global_batch_size % shares
         raise ConfigError(
-            f"scaling.global_batch_size={global_batch_size} does not split into {world_size} process(es) x "
+            f"{option}={global_batch_size} does not split into {world_size} process(es) x "
             f"{accumulate_grad_batches} accumulation step(s) = {shares} equal parts; use a multiple of {shares}, "
             f"e.g. {below or shares} or {below + shares}"
         )
@@ -74,6 +78,7 @@ class BatchScaling(Callback):
         global_batch_size: PositiveInt | None = None,
         lr_scaling: LRScaling = "none",
         reference_batch_size: PositiveInt | None = None,
+        split_batch: bool = False,
     ) -> None:
         """
         Args:
@@ -84,6 +89,10 @@ class BatchScaling(Callback):
             lr_scaling: multiply the optimizer's learning rate by effective / reference batch size (``linear``),
                 by its square root (``sqrt``), or leave it (``none``).
             reference_batch_size: the batch size the configured learning rate was tuned for.
+            split_batch: with global_batch_size unset, ``data.batch_size`` stays the batch of one optimizer step as on
+                one device: each process loads its share (batch_size / world size). What the parallelism files
+                (configs/ddp*.yaml, configs/fsdp*.yaml) set, so that stacking one keeps a config's batch. Without a
+                batch size to split (one written in the DataLoader), each process loads that batch.
         """
         super().__init__()
         if lr_scaling != "none" and reference_batch_size is None:
@@ -95,18 +104,20 @@ class BatchScaling(Callback):
         self.global_batch_size = None if global_batch_size is None else int(global_batch_size)
         self.lr_scaling = lr_scaling
         self.reference_batch_size = None if reference_batch_size is None else int(reference_batch_size)
+        self.split_batch = split_batch
+        self.step_batch: int | None = None  # split_batch: data.batch_size as configured, before it was split
         self.summary: dict[str, Any] = {}
         # The factor already inside the optimizer's learning rates: 1 for a fresh run, the checkpoint's on resume.
         self.applied_lr_factor = 1.0
 
     @property
     def announcement(self) -> Mechanism | None:
-        if self.global_batch_size is None and self.lr_scaling == "none":
+        if self.global_batch_size is None and self.lr_scaling == "none" and not self.split_batch:
             return None
         return Mechanism(
             "batch scaling",
-            "sets data.batch_size from the global batch; scales the learning rate",
-            "--scaling.global_batch_size=null --scaling.lr_scaling=none",
+            "sets each process's data.batch_size from the batch of one optimizer step; scales the learning rate",
+            "--scaling.global_batch_size=null --scaling.split_batch=false --scaling.lr_scaling=none",
         )
 
     def apply_batch_size(self, trainer: Trainer, datamodule: Any, module: Any = None) -> int | None:
@@ -114,34 +125,43 @@ class BatchScaling(Callback):
         The command line calls it before the module is attached (``module`` None; ``setup`` calls it again), so the
         DataModule sees its batch from its first hook."""
         holders = batch_size_holders(module, datamodule)
-        names = " or ".join(type(o).__name__ for o in (datamodule, module) if o is not None) or "the run"
-        if self.global_batch_size is None:
-            batch = holders[-1][1].batch_size if holders else None
-            if self.lr_scaling != "none" and not isinstance(batch, int) and (holders or module is not None):
+        names = _names(datamodule, module)
+        current = holders[-1][1].batch_size if holders else None
+        if self.global_batch_size is None and not (self.split_batch and isinstance(current, int)):
+            # Per process: data.batch_size, or the DataLoader's own where nothing holds a batch size to split.
+            if self.lr_scaling != "none" and not isinstance(current, int) and (holders or module is not None):
                 raise ConfigError(
                     f"scaling.lr_scaling={self.lr_scaling} needs the batch size, but {names} has no integer "
                     "`batch_size` (attribute or hparams); set scaling.global_batch_size"
                 )
-            return batch
-        if not holders:
+            return current
+        if not isinstance(current, int):
             if module is None and trainer.lightning_module is None:
                 return None  # the module may hold it: decided in setup, once it is attached
             raise ConfigError(
-                f"scaling.global_batch_size needs a `batch_size` that the dataloaders use, an attribute or hparams "
-                f"entry of the DataModule or the LightningModule (where Lightning's batch-size finder looks); {names} "
-                "has none: add one or set scaling.global_batch_size=null"
+                f"{OPTION} needs a `batch_size` that the dataloaders use, an attribute or hparams entry of the "
+                f"DataModule or the LightningModule (where Lightning's batch-size finder looks); {names} has none: "
+                f"add one or set {OPTION}=null"
             )
-        batch = per_process_batch_size(self.global_batch_size, trainer.world_size, trainer.accumulate_grad_batches)
-        # A data.batch_size other than the constructor's default was set on purpose: it would be silently replaced.
-        current = holders[-1][1].batch_size
-        default = getattr(inspect.signature(type(holders[-1][0])).parameters.get("batch_size"), "default", None)
-        if default not in (None, inspect.Parameter.empty) and current not in (batch, default):
-            raise ConfigError(
-                f"data.batch_size={current} and scaling.global_batch_size={self.global_batch_size} "
-                f"both set the batch (the global one gives {batch} per process); keep one of them"
-            )
+        batch = self._per_process(trainer, holders[-1][0], current)
         for _, holder in holders:
             holder.batch_size = batch
+        return batch
+
+    def _per_process(self, trainer: Trainer, owner: Any, current: int) -> int:
+        """The batch of one process: its share of ``data.batch_size`` as configured (``split_batch``), or of the
+        global batch, beside which a batch size other than the constructor's default (``owner``'s) is refused."""
+        if self.global_batch_size is None:
+            self.step_batch = self.step_batch or current  # as configured, when called again
+            return per_process_batch_size(self.step_batch, trainer.world_size, 1, "data.batch_size")
+        batch = per_process_batch_size(self.global_batch_size, trainer.world_size, trainer.accumulate_grad_batches)
+        # A data.batch_size other than the constructor's default was set on purpose: it would be silently replaced.
+        default = getattr(inspect.signature(type(owner)).parameters.get("batch_size"), "default", None)
+        if default not in (None, inspect.Parameter.empty) and current not in (batch, default):
+            raise ConfigError(
+                f"data.batch_size={current} and {OPTION}={self.global_batch_size} both set the batch (the global one "
+                f"gives {batch} per process); keep one of them"
+            )
         return batch
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -195,6 +215,11 @@ def batch_size_holders(module: Any, datamodule: Any) -> list[tuple[Any, Any]]:
         for holder in (owner, getattr(owner, "hparams", None))
         if hasattr(holder, "batch_size")
     ]
+
+
+def _names(*objects: Any) -> str:
+    """The classes of the batch size's possible owners, for a message."""
+    return " or ".join(type(o).__name__ for o in objects if o is not None) or "the run"
 
 
 def loader_batch_size(loaders: Any) -> int | None:
