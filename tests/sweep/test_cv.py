@@ -194,6 +194,9 @@ def test_three_folds_killed_mid_fold_continue_with_the_same_command_and_summaris
     assert finish(again, LIMIT, "the same cv command") == 0
     out = again.stdout.read()
     assert "fold 1 continues" in out and "fold-2" in out, out[-3000:]
+    # Each fold's line says the mean so far over the folds that ended, never one fold's as if it were the best.
+    progress = [line for line in out.splitlines() if " finished; fold " in line]
+    assert progress and all(re.search(r"; mean val_acc=[\d.]+ over [123] folds$", line) for line in progress), progress
     log = (folder / "fold-1.log").read_text()
     resumed = re.search(r"resuming from .*\(epoch \d+, step (\d+)\)", log)
     assert resumed and int(resumed.group(1)) >= 4, log[-2000:]  # from its checkpoint, not from step 0
@@ -265,7 +268,7 @@ def test_a_sweep_with_folds_scores_the_mean_prunes_between_folds_and_continues_a
     (tmp_path / "paced.yaml").write_text(PACED)
     lrs = [0.01, 0.003, 1.0e-6]  # in this order; the last learns nothing and is pruned after its first fold
     (tmp_path / "s.yaml").write_text(
-        "sweep:\n  name: s\n  n_trials: 3\n  space:\n"
+        "sweep:\n  name: s\n  n_trials: 3\n  n_startup_trials: 2\n  space:\n"
         f"    model.optimizer.init_args.lr: {{type: categorical, choices: {lrs}}}\n"
         f"  enqueue: {[{'model.optimizer.init_args.lr': lr} for lr in lrs]}\n"
     )

@@ -267,7 +267,7 @@ def test_ddp_trial_is_pruned_with_a_checkpoint(tmp_path: Path, run_cli) -> None:
     # Trials 0 and 1 learn; trial 2 (lr 1e-6) is below their median at its first validation.
     lr = "model.optimizer.init_args.lr"
     lrs = f"[{{{lr}: 0.01}}, {{{lr}: 0.003}}, {{{lr}: 1.0e-6}}]"
-    args = _sweep_args(tmp_path, n_trials=3, extra=f"  enqueue: {lrs}\n", config="ddp_cpu.yaml")
+    args = _sweep_args(tmp_path, n_trials=3, extra=f"  enqueue: {lrs}\n  n_startup_trials: 2\n", config="ddp_cpu.yaml")
     args[args.index("--trainer.max_epochs=3")] = "--trainer.max_epochs=6"
     done = run_cli(*args, timeout=WAIT, env=_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -351,6 +351,30 @@ def _score(trial: optuna.trial.Trial) -> float:
 
 def _journal(tmp_path: Path, name: str = "j") -> optuna.storages.JournalStorage:
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / name)))
+
+
+def test_the_median_pruner_waits_for_its_startup_trials_and_each_trials_warm_up(tmp_path: Path) -> None:
+    from template.engine.sweep import Sweep
+    from template.engine.sweep.options import search_space
+    from template.engine.sweep.study import open_study
+
+    def pruned(sweep: Sweep, done: int, step: int) -> bool:
+        """Whether a trial far worse than ``done`` finished ones is pruned at its validation at ``step``."""
+        study = open_study(sweep, search_space(sweep), _journal(tmp_path, f"{sweep.n_startup_trials}-{done}-{step}"))
+        for _ in range(done):
+            trial = _ask(study, search_space(sweep))
+            for at in (10, 50):
+                trial.report(0.1, at)
+            study.tell(trial, 0.1)
+        trial = _ask(study, search_space(sweep))
+        trial.report(9.0, step)
+        return trial.should_prune()
+
+    default = Sweep(name="s", space=SPACE, direction="minimize")
+    assert (default.n_startup_trials, default.n_warmup_steps) == (5, 0)  # Optuna's
+    assert not pruned(default, done=4, step=10) and pruned(default, done=5, step=10)
+    warm = Sweep(name="s", space=SPACE, direction="minimize", n_startup_trials=2, n_warmup_steps=20)
+    assert not pruned(warm, done=2, step=10) and pruned(warm, done=2, step=50)
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "random"])

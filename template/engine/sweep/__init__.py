@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jsonargparse import ArgumentParser
-from jsonargparse.typing import PositiveFloat, PositiveInt, restricted_number_type
+from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt, restricted_number_type
 
 from template.engine.commands import PROGRAM
 from template.engine.errors import SWEEP_EXTRA, ConfigError
@@ -43,6 +43,9 @@ class Sweep:
         sampler: Optuna's TPE or random sampler.
         seed: the proposals are a function of the seed and the trial number; null for fresh ones each start.
         pruner: Optuna's median or hyperband pruner on the value at each validation, or none.
+        n_startup_trials: trials that finish before the median pruner stops any.
+        n_warmup_steps: training steps a trial runs before the median pruner may stop it (a validation reports at
+            the trainer's global step; a trial of folds reports after each fold, at 0, 1, ...).
         max_failures: failed trials in a row that stop the sweep.
         heartbeat: seconds between a trial's heartbeats; one silent for 4 (its worker died) is continued by another.
         enqueue: values to try first (option -> value, as in ``space``), e.g. a known good configuration.
@@ -60,6 +63,8 @@ class Sweep:
     sampler: Literal["tpe", "random"] = "tpe"
     seed: int | None = 0
     pruner: Literal["median", "hyperband", "none"] = "median"
+    n_startup_trials: NonNegativeInt = 5
+    n_warmup_steps: NonNegativeInt = 0
     max_failures: PositiveInt = 3
     heartbeat: PositiveFloat = 30.0
     enqueue: list[dict[str, Any]] | None = None

@@ -5,7 +5,6 @@ engine once for the sweep (Python's multiprocessing forkserver, started by ``mai
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import multiprocessing
@@ -333,8 +332,10 @@ class Driver:
     def _progress(self, trial: FrozenTrial) -> None:
         objective = self.sweep.objective
         score = f"{objective}={trial.value:.6g}" if trial.value is not None else trial.user_attrs.get(Life.REASON, "")
-        best = ""
-        with contextlib.suppress(ValueError):
+        best, scored = "", [t.value for t in self._trials() if t.state == TrialState.COMPLETE]
+        if FOLD in trial.params and scored:  # a cv's folds are no search: their mean so far
+            best = f"; mean {objective}={statistics.fmean(scored):.6g} over {len(scored)} folds"
+        elif scored:
             best = f"; best {objective}={self.study.best_value:.6g} ({who(self.study.best_trial)})"
         done, state = sum(t.state in FINISHED for t in self._trials()), trial.state.name.lower()
         print(f"{self.title}: {done}/{self.sweep.n_trials} finished; {who(trial)} {state} ({score}){best}", flush=True)

@@ -250,7 +250,8 @@ def open_study(
 ) -> optuna.Study:
     """The sweep's study, created or loaded; it records its space (``check_space`` compares the next command's)."""
     startup = min(10, max(2, sweep.n_trials // 3))
-    pruner = {"median": optuna.pruners.MedianPruner(n_startup_trials=2), "hyperband": optuna.pruners.HyperbandPruner()}
+    median = optuna.pruners.MedianPruner(n_startup_trials=sweep.n_startup_trials, n_warmup_steps=sweep.n_warmup_steps)
+    pruner = {"median": median, "hyperband": optuna.pruners.HyperbandPruner()}
     study = optuna.create_study(
         storage=storage,
         sampler=TrialSeeded(storage, sweep.name, space, sweep.sampler, sweep.seed, startup),
