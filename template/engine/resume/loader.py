@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from enum import Enum
 from itertools import islice
 from typing import Any
 
@@ -41,6 +42,14 @@ def restore_global_states(state: dict[str, Any]) -> None:
         np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+class Next(Enum):
+    """What a resumable loader's next iterator does."""
+
+    DRAW = "draw a new order from the states training is at"
+    REPLAY = "draw the recorded epoch's order again and skip the batches trained on"
+    RESEED = "start persistent workers again with the seed they were first started with"
+
+
 class ResumableIndexSampler(Sampler):
     """The loader's index sampler (its batch sampler, else its sampler), able to skip batches: the same items, length
     and draws at the same moments as the wrapped one, whose other attributes (``batch_size``...) it has."""
@@ -52,14 +61,12 @@ class ResumableIndexSampler(Sampler):
         # This epoch's states: when the DataLoader created its iterator, and when the sampler started drawing.
         self.at_iterator: dict[str, Any] | None = None
         self.at_order: dict[str, Any] | None = None
-        # This epoch's first item: a stop checks that the order replays.
-        self.first: Any = None
+        self.first: Any = None  # this epoch's first item: a stop checks that the order replays
         self._epoch_seed = 0  # drawn with the order: each batch's reads draw from it and the batch's place
-        self._resume: tuple[dict[str, Any], dict[str, Any], int] | None = None
-        self.resuming = False
-        # Persistent workers restarted at an epoch's end: the states their seed was first drawn from, and after it.
-        self._workers_seed_from: dict[str, Any] | None = None
-        self._after_seed: dict[str, Any] | None = None
+        self.next = Next.DRAW
+        self.done = 0  # REPLAY: the batches to skip
+        self.resuming = False  # a replay was asked for, by the checkpoint this fit started from
+        self._after_seed: dict[str, Any] | None = None  # RESEED: where training is, for the order
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this object lacks; "inner" itself missing (half-built copy) must not recurse.
@@ -87,36 +94,34 @@ class ResumableIndexSampler(Sampler):
 
     def resume(self, at_iterator: dict[str, Any], at_order: dict[str, Any], done: int) -> None:
         """The next epoch replays the epoch drawn from these states and skips its first ``done`` items."""
-        self._resume = (at_iterator, at_order, done)
-        self.resuming = True
+        self.at_iterator, self.at_order, self.done = at_iterator, at_order, done
+        self.next, self.resuming = Next.REPLAY, True
 
     def keep_workers_seed(self, at_iterator: dict[str, Any]) -> None:
         """Persistent workers were started once, in an earlier epoch: started again, they get the same seed."""
-        self._workers_seed_from = at_iterator
+        self.at_iterator, self.next = at_iterator, Next.RESEED
 
     def before_iterator(self, new: bool, persistent: bool = False) -> None:
         """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
-        if new and persistent and self._resume is None and self._workers_seed_from is not None:
-            # The seed from the states it was first drawn from; the order from where training is (see __iter__).
-            self._after_seed = self._capture()
-            self.at_iterator, self._workers_seed_from = self._workers_seed_from, None
-            self._put_back(self.at_iterator)
-            return
-        self._workers_seed_from = None
-        if self._resume is not None:
-            self._put_back(self._resume[0])  # the workers' seed as the uninterrupted run drew it
+        if self.next is Next.RESEED and not (new and persistent):
+            self.next = Next.DRAW  # no workers to start again: a new order, as in any epoch
+        if self.next is Next.RESEED:
+            self._after_seed = self._capture()  # the order from where training is (see __iter__)
+        if self.next is not Next.DRAW:
+            self._put_back(self.at_iterator)  # the workers' seed as the uninterrupted run drew it
         elif new or self.at_iterator is None:
             self.at_iterator = self._capture()
 
     def __iter__(self) -> Iterator[Any]:
         # A generator, so that the wrapped sampler draws when it would unwrapped (at the first item): a DataLoader with
         # workers makes two while it builds its iterator and pulls from the second only.
-        if self._resume is not None:
+        if self.next is Next.REPLAY:
             yield from self._replay()
             return
         if self._after_seed is not None:
             self._put_back(self._after_seed)
             self._after_seed = None
+        self.next = Next.DRAW
         self.at_order = self._capture()
         for place, item in enumerate(self._draw_order()):
             if place == 0:
@@ -141,17 +146,14 @@ class ResumableIndexSampler(Sampler):
         return marked
 
     def _replay(self) -> Iterator[Any]:
-        assert self._resume is not None
-        at_iterator, at_order, done = self._resume
-        self._resume = None
+        self.next, done = Next.DRAW, self.done
         now = self._capture()
-        self._put_back(at_order, epochs=True)
+        self._put_back(self.at_order, epochs=True)
         iterator = self._draw_order()
         first = next(iterator, None)  # the sampler draws its order here, from the recorded states
         self.first = _plain(first)
         for _ in islice(iterator, max(0, done - 1)):  # skipped as lists of indices: the dataset is not read
             pass
-        self.at_iterator, self.at_order = at_iterator, at_order
         # The global generators go on from where training is; the sampler's own from where its order left them.
         restore_global_states(now)
         if done == 0 and first is not None:
