@@ -68,21 +68,33 @@ class PredictionWriter(BasePredictionWriter):
 
 def columns(output: Any, name: str, samples: int) -> list[tuple[str, list[Any]]]:
     """``output`` of a batch of ``samples`` as named columns, each a value per sample."""
+    if isinstance(output, dict) and output:
+        parts = [(str(key), value) for key, value in output.items()]
+    elif isinstance(output, (list, tuple)) and output and all(isinstance(value, Tensor) for value in output):
+        parts = [(f"{name}_{i}", value) for i, value in enumerate(output)]
+    else:
+        return _per_sample(output, name, samples)
+    return [column for key, value in parts for column in columns(value, key, samples)]
+
+
+def _per_sample(output: Any, name: str, samples: int) -> list[tuple[str, list[Any]]]:
+    """The columns of a tensor with a row per sample (one per dimension after the first), or of a list or tuple of a
+    number or string per sample; else the refusal."""
     if isinstance(output, Tensor) and output.dim() > 0 and len(output) == samples:
         values = output.detach().reshape(samples, -1).T.tolist()
         return [(name, values[0])] if len(values) == 1 else [(f"{name}_{i}", v) for i, v in enumerate(values)]
-    if isinstance(output, dict) and output:
-        return [column for key, value in output.items() for column in columns(value, str(key), samples)]
-    if isinstance(output, (list, tuple)) and output and all(isinstance(value, Tensor) for value in output):
-        return [column for i, value in enumerate(output) for column in columns(value, f"{name}_{i}", samples)]
     if (
         isinstance(output, (list, tuple))
         and len(output) == samples
         and all(isinstance(v, (int, float, str)) for v in output)
     ):
         return [(name, list(output))]
+    raise _refused(output, name, samples)
+
+
+def _refused(output: Any, name: str, samples: int) -> ConfigError:
     what = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, Tensor) else f"a {type(output).__name__}"
     if isinstance(output, (list, tuple, dict)):
         what += f" of {len(output)}"
     returned = "predict_step returned" if name == "prediction" else f"predict_step's output {name!r} is"
-    raise ConfigError(f"{returned} {what} for a batch of {samples} samples; the predictions file takes {ACCEPTED}")
+    return ConfigError(f"{returned} {what} for a batch of {samples} samples; the predictions file takes {ACCEPTED}")
