@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
@@ -43,14 +43,22 @@ class DictBatches(LightningModule):
     val_dataloader = train_dataloader
 
 
-def _fit(tmp_path: Path, module: LightningModule, epochs: int = 2, log: ThroughputLog | None = None) -> list[dict]:
+def _fit(
+    tmp_path: Path,
+    module: LightningModule,
+    epochs: int = 2,
+    log: ThroughputLog | None = None,
+    extra: list = (),
+    ckpt_path: Path | None = None,
+    version: int = 0,
+) -> list[dict]:
     trainer = Trainer(
-        default_root_dir=tmp_path, max_epochs=epochs, accelerator="cpu", logger=CSVLogger(tmp_path), callbacks=[
-            log or ThroughputLog()], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0,
+        default_root_dir=tmp_path, max_epochs=epochs, accelerator="cpu", logger=CSVLogger(tmp_path, version=version),
+        callbacks=[log or ThroughputLog(), *extra], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(module)
-    with (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open() as f:
+    trainer.fit(module, ckpt_path=ckpt_path)
+    with (tmp_path / "lightning_logs" / f"version_{version}" / "metrics.csv").open() as f:
         return [row for row in csv.DictReader(f) if row.get("throughput/samples_per_sec")]
 
 
@@ -68,6 +76,37 @@ def test_samples_per_sec_per_epoch_for_any_module_and_flops_where_declared(tmp_p
         assert flops / samples == pytest.approx(1000 / BATCH)
         assert "throughput/mfu" not in row  # no known peak on the CPU
         assert "throughput/peak_memory_gib" not in row  # CUDA only
+
+
+class StopAt(Callback):
+    """Saves a checkpoint and ends the fit at a training step's end, or at the end of an epoch's validation."""
+
+    def __init__(self, path: Path, step: int | None = None, epoch: int | None = None) -> None:
+        self.path, self.step, self.epoch = path, step, epoch
+
+    def on_train_batch_end(self, trainer: Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            raise SystemExit
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+            raise SystemExit
+
+
+@pytest.mark.parametrize("where", [{"step": 6}, {"epoch": 1}], ids=["mid-epoch", "at-validation"])
+def test_a_resumed_run_has_a_figure_for_every_epoch(tmp_path: Path, where: dict) -> None:
+    """Lightning continues the checkpoint's epoch without starting it again: that epoch is measured too, and the
+    line's mean covers the epochs before the restart."""
+    path = tmp_path / "stop.ckpt"
+    with pytest.raises(SystemExit):
+        _fit(tmp_path, DictBatches(), epochs=3, extra=[StopAt(path, **where)])
+    log = ThroughputLog()
+    rows = _fit(tmp_path, DictBatches(), epochs=3, log=log, ckpt_path=path, version=1)
+    assert len(log._epochs) == 3 and [int(r["epoch"]) for r in rows] == [1, 2]  # the first in the stopped run's log
+    assert all(float(r["throughput/samples_per_sec"]) > 0 for r in rows)
+    assert "mean over 3)" in summary(log._epochs)  # the line printed at the end
 
 
 def test_validation_time_is_left_out(tmp_path: Path) -> None:

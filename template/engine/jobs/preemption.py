@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
+import multiprocessing.util
 import os
 import signal
 import sys
 import threading
 import time
+from enum import Enum
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -28,7 +29,17 @@ from template.engine.runs import INTERRUPTED
 from template.engine.runs.folder import checkpoint_dir
 
 _SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT}
-_handled: set[int] = set()  # the signals this process's fit stops on: the children it forks leave them to it
+_handled: set[int] = set()  # the signals this process's fit stops on, for the process: its forked workers leave them
+
+
+class Stop(Enum):
+    """Where a fit is in its stop on a signal, the same on every rank once they agree."""
+
+    TRAINING = "no signal: training"
+    SIGNALLED = "a signal came (to this rank, or to another as the ranks agreed): the run stops at the next safe point"
+    STOPPED = "stopped at a safe point, interrupted.ckpt written: a second signal to this process ends it at once"
+    TRAINED = "past the last safe point: a signal stops nothing"
+    LATE = "a signal came once training had ended: it stopped nothing (the command's end says so), a second ends it"
 
 
 class Preemption(Callback):
@@ -38,7 +49,10 @@ class Preemption(Callback):
     the handler: mid-step, and under DDP in collectives the other ranks are not in). Several processes compare their
     signals every ``stride`` training batches, about ``check_interval`` seconds' worth. A signal once training ended
     stops nothing (``command_ended`` names it); a second one as the run ends ends the process at once. Children forked
-    meanwhile (DataLoader workers) leave the signals to the run, so a signal to the whole process group is one stop."""
+    meanwhile (DataLoader workers) leave the signals to the run, so a signal to the whole process group is one stop.
+
+    ``state`` says where the stop is (``Stop``), ``stopping`` whether one is under way (what the exact-resume callback
+    asks of a checkpoint), ``signal`` the stop's signal, ``signalled_at`` when this process received its own."""
 
     announcement = Mechanism(
         "preemption",
@@ -49,10 +63,13 @@ class Preemption(Callback):
     def __init__(self, check_interval: float = 1.0) -> None:
         self.check_interval = check_interval
         self._restart_stride()
-        self._received: int | None = None  # the signal this process recorded
-        self._stopped: int | None = None  # the signal the run stopped on
-        self._trained = False  # past the last safe point: a signal now stops nothing
+        self.state = Stop.TRAINING
+        self.signal: int | None = None
         self.signalled_at: float | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.state in (Stop.SIGNALLED, Stop.STOPPED)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Before Lightning installs its SIGTERM handler (at the sanity check): a signal while the run restores counts.
@@ -84,15 +101,17 @@ class Preemption(Callback):
         meanwhile. Lightning puts ours back when the run ends."""
         if signal.SIGTERM not in _handled or not _main_thread():
             return
-        if trainer.received_sigterm and self._stopped is None:  # ours too (Lightning's handler calls it): once
-            self._received = self._received or signal.SIGTERM
+        if trainer.received_sigterm and self.state is not Stop.STOPPED:  # ours too (Lightning's handler calls it)
+            if self.signalled_at is None:
+                self._record(signal.SIGTERM, None)
             stop_as_on_sigterm(trainer, stop=False)  # else Lightning stops after the next step, with no checkpoint
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if self._received is None:
-            self._received, self.signalled_at = signum, time.monotonic()
-        elif self._trained or self._stopped is not None:  # a second signal as the run ends: at once
+        if self.signalled_at is None:  # this process's first
+            self.signal, self.signalled_at = self.signal or signum, time.monotonic()
+            self.state = {Stop.TRAINING: Stop.SIGNALLED, Stop.TRAINED: Stop.LATE}.get(self.state, self.state)
+        elif self.state in (Stop.STOPPED, Stop.LATE):  # a second signal as the run ends: at once
             rank_zero_info(
                 f"Stopping at once on a second {signal.Signals(signum).name}: the checkpoints are written, the run's "
                 "last logs, record or uploads may not be; run the same command to continue"
@@ -110,7 +129,7 @@ class Preemption(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         # Lightning ends the loop after this step's logging, as on its own SIGTERM.
         self._batches += 1
-        due = self._batches >= self._due if trainer.world_size > 1 else self._received is not None
+        due = self._batches >= self._due if trainer.world_size > 1 else self.state is Stop.SIGNALLED
         if due and exact_resume_point(trainer):
             self._stop_if_signalled(trainer, raise_now=False)
 
@@ -124,25 +143,27 @@ class Preemption(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After the last step: the checkpoint holds the finished run, from which the same command trains no more.
         self._stop_if_signalled(trainer, raise_now=True)
-        self._trained = True
+        if self.state is Stop.TRAINING:
+            self.state = Stop.TRAINED
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # A failing run records signals until the command ends: the SIGTERM a launcher sends the surviving ranks must
         # not replace the failure's own line with a stop's.
-        if isinstance(exception, SIGTERMException) and self._stopped is not None:
+        if isinstance(exception, SIGTERMException) and self.state is Stop.STOPPED:
             # Lightning's SIGTERMException exits 0. A rank Lightning's launcher started exits 0 too: the launcher
             # reports the job's code, and would kill the job the moment a child exits non-zero, before its logs.
             launched = trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
-            exception.code = 0 if launched else signal_exit(self._stopped)
+            exception.code = 0 if launched else signal_exit(self.signal)
 
     def _stop_if_signalled(self, trainer: Trainer, raise_now: bool, save: bool = True) -> None:
-        if self._stopped is not None or (signum := self._agreed_signal(trainer)) is None:
+        if self.state is Stop.STOPPED or (signum := self._agreed_signal(trainer)) is None:
             return
+        self.signal, self.state = self.signal or signum, Stop.SIGNALLED  # another rank's, maybe: stopping here too
         path = str(Path(checkpoint_dir(trainer)) / INTERRUPTED) if save else ""
         if save:  # the whole training state; the logs up to this step are written first
             trainer.save_checkpoint(path, weights_only=False)
         requeued = _requeue(trainer, signum)
-        self._stopped = signum
+        self.state = Stop.STOPPED
         name, after = signal.Signals(signum).name, self._after()
         then = "the job is requeued and continues by itself" if requeued else "run the same command to continue"
         # In the sanity check nothing is trained yet: the run's newest checkpoint (if any) is where it started.
@@ -158,12 +179,12 @@ class Preemption(Callback):
     def _agreed_signal(self, trainer: Trainer) -> int | None:
         """The signal any rank received, the same on every rank at the same safe point."""
         if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
-            return self._received
+            return self.signal
         # Each process proposes the next stride from its own pace; the smallest one is agreed, with the signal.
         batches, now = self._batches - self._agreed_batches, time.monotonic()
         pace = round(self.check_interval * batches / max(now - self._agreed_time, 1e-9)) if batches else self._stride
         proposal = max(1, min(2 * self._stride, pace))
-        code = torch.tensor([self._received or 0, -proposal], device=trainer.strategy.root_device)
+        code = torch.tensor([self.signal or 0, -proposal], device=trainer.strategy.root_device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         signum, stride = code.tolist()
         self._stride, self._agreed_batches, self._agreed_time = -stride, self._batches, now
@@ -183,8 +204,8 @@ def command_ended(handlers: dict[int, Any] | None, trainer: Trainer | None, fini
     ``finished`` writing the run. Then ``handlers`` come back (a caller that goes on, from the main thread), or, for a
     program, the signals are ignored while the interpreter exits: everything is written, its exit code decided."""
     preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None) if trainer else None
-    if finished and preemption is not None and preemption._received and preemption._stopped is None:
-        name = signal.Signals(preemption._received).name
+    if finished and preemption is not None and preemption.state is Stop.LATE:
+        name = signal.Signals(preemption.signal).name
         rank_zero_info(f"{name} came after training ended and stopped nothing: the run's files are all written")
     if _main_thread():
         for signum, handler in (handlers or dict.fromkeys(_SIGNALS | _handled, signal.SIG_IGN)).items():
@@ -203,11 +224,10 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _after_fork_in_child() -> None:
+def _after_fork_in_child(_: object) -> None:
     # A child multiprocessing forks while a fit stops on the signals (a DataLoader worker) keeps them blocked, where
     # torch's worker would die of a SIGTERM from anyone but its parent, and leaves them to a thread of its own.
-    caller = inspect.currentframe().f_back
-    if _handled and caller is not None and caller.f_globals.get("__name__", "").startswith("multiprocessing."):
+    if _handled:
         signal.pthread_sigmask(signal.SIG_BLOCK, _handled)
         die_with_parent()  # no orphan, whatever ends the run
         threading.Thread(target=_leave_signals_to, args=(os.getppid(), frozenset(_handled)), daemon=True).start()
@@ -222,7 +242,8 @@ def _leave_signals_to(parent: int, signals: frozenset[int]) -> None:
             os._exit(0)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# Once for the process: multiprocessing runs it in each child it starts (a plain os.fork is left alone).
+multiprocessing.util.register_after_fork(_after_fork_in_child, _after_fork_in_child)
 
 
 def _requeue_signal(trainer: Trainer) -> int:

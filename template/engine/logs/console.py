@@ -139,7 +139,8 @@ class ThroughputLog(Callback):
     ``flops_per_batch`` attribute (one batch's FLOPs on one device, as ``lightning.fabric.utilities.throughput.
     measure_flops`` counts them) also ``throughput/flops_per_sec`` and, on GPUs whose peak Lightning knows,
     ``throughput/mfu`` (0 to 1). The end of ``fit`` prints them in one line. The batch size is each batch's first
-    tensor's length; validation time is left out; the GPU is synchronised only at an epoch's and a validation's edges.
+    tensor's length; validation time is left out; the GPU is synchronised only at an epoch's and a validation's edges
+    (Lightning's ThroughputMonitor synchronises it at every step). A resumed run's figures and line cover every epoch.
 
     Args:
         enabled: log and print the figures; ``false`` adds no work at all.
@@ -149,11 +150,12 @@ class ThroughputLog(Callback):
         self.enabled = enabled
         self._available_flops: int | None = None
         self._epochs: list[dict[str, float]] = []  # each epoch's figures as logged: reduced over processes, float32
-        self._logged: list[str] = []  # the names logged at the last epoch's end, not yet read back
+        self._pending: dict[str, float] = {}  # the last epoch's, this process's, logged but not yet read back
         self._start: float | None = None  # this epoch's, and its samples, batches and seconds of validation
         self._samples = self._batches = 0
         self._paused = 0.0
         self._validating: float | None = None  # since when
+        self._carried: float | None = None  # seconds of the epoch a checkpoint was written in, which a resume continues
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -161,6 +163,12 @@ class ThroughputLog(Callback):
             precision = str(trainer.precision)  # the dtype the matmuls run in sets the device's peak FLOP/s
             dtype = next((d for p, d in _COMPUTE_DTYPE.items() if precision.startswith(p)), torch.float32)
             self._available_flops = get_available_flops(trainer.strategy.root_device, dtype)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Resumed: Lightning continues the checkpoint's epoch without its on_train_epoch_start.
+        if self.enabled and self._carried is not None:
+            self._start, self._paused, self._carried = _now(trainer), -self._carried, None
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -211,7 +219,7 @@ class ThroughputLog(Callback):
                 metrics["mfu"] = per_device / self._available_flops
         if (device := trainer.strategy.root_device).type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        self._logged = list(metrics)
+        self._pending = metrics
         for name, value in metrics.items():
             reduce = "max" if name == "peak_memory_gib" else "mean"  # one all-reduce per epoch
             pl_module.log(PREFIX + name, float(value), on_epoch=True, on_step=False, sync_dist=True, reduce_fx=reduce)
@@ -225,10 +233,22 @@ class ThroughputLog(Callback):
     def _read_back(self, trainer: Trainer) -> None:
         """The last epoch's figures as Lightning reduced and logged them after ``on_train_epoch_end``: the printed
         line then says what the logs hold."""
-        logged = {name: trainer.callback_metrics.get(PREFIX + name) for name in self._logged}
-        if self._logged and all(value is not None for value in logged.values()):
+        logged = {name: trainer.callback_metrics.get(PREFIX + name) for name in self._pending}
+        if self._pending and all(value is not None for value in logged.values()):
             self._epochs.append({name: float(value) for name, value in logged.items()})
-        self._logged = []
+        self._pending = {}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        seconds = time.perf_counter() - self._start - self._paused if self._start is not None else 0.0
+        epochs = [*self._epochs, self._pending] if self._pending else self._epochs
+        return {"epochs": epochs, "samples": self._samples, "batches": self._batches, "seconds": seconds}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._epochs = list(state_dict.get("epochs", []))  # none in a checkpoint of an earlier version
+        self._samples, self._batches = state_dict.get("samples", 0), state_dict.get("batches", 0)
+        self._carried = state_dict.get("seconds")
 
 
 def _now(trainer: Trainer) -> float:
