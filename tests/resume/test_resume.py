@@ -245,12 +245,13 @@ class _TinyStream(_Tiny):
         return DataLoader(_Stream(), batch_size=4)
 
 
-@pytest.mark.parametrize(("module", "warned"), [(_Tiny, False), (_TinyStream, True)], ids=["map-style", "iterable"])
-def test_lightnings_not_resumable_warning_is_left_out_only_where_the_resume_makes_it_false(
-    tmp_path: Path, module: type[_Tiny], warned: bool
+@pytest.mark.parametrize(("module", "inexact"), [(_Tiny, False), (_TinyStream, True)], ids=["map-style", "iterable"])
+def test_lightnings_not_resumable_warning_is_left_out_and_the_project_says_what_repeats(
+    tmp_path: Path, module: type[_Tiny], inexact: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Lightning warns at every mid-epoch resume of a plain DataLoader that it is "not resumable": false where the
-    project puts the loader back at its place (left out, for that fit only), true for an iterable dataset (kept)."""
+    project puts the loader back at its place, and where it cannot (an iterable dataset) the project's own line says
+    what is trained on twice; Lightning's is left out (for that fit only) either way."""
 
     class SaveMidEpoch(Callback):
         def on_train_batch_end(self, trainer: Trainer, *args: object) -> None:
@@ -259,19 +260,21 @@ def test_lightnings_not_resumable_warning_is_left_out_only_where_the_resume_make
 
     def fit(callbacks: list[Callback], ckpt_path: Path | None = None) -> None:
         options = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
-        trainer = Trainer(
-            max_epochs=1, callbacks=[ExactResume(), *callbacks], **options, default_root_dir=tmp_path
-        )
+        trainer = Trainer(max_epochs=1, callbacks=[ExactResume(), *callbacks], **options, default_root_dir=tmp_path)
         trainer.fit(module(), ckpt_path=ckpt_path)
 
     fit([SaveMidEpoch()])
+    caplog.set_level("INFO")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         filters = list(warnings.filters)
         fit([], ckpt_path=tmp_path / "mid.ckpt")
         assert warnings.filters == filters, "a filter of this fit is left installed"
     said = [str(w.message) for w in caught if "your dataloader is not resumable" in str(w.message)]
-    assert len(said) == warned, said
+    assert said == []
+    lines = [r.getMessage() for r in caplog.records if "cannot be put back at its place" in r.getMessage()]
+    assert len(lines) == inexact, lines
+    assert not inexact or "about 2 batches are trained on twice, as many not at all" in lines[0]
 
 
 @pytest.mark.slow  # a fit, then validate and predict on 2 DDP processes
