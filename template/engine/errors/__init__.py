@@ -8,7 +8,7 @@ import errno
 import os
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,61 +66,102 @@ def parser_error(err: BaseException, prefix: str = "", files: dict[str, Any] | N
 
 
 def explain_parser_error(message: str, files: dict[str, Any] | None = None) -> str:
-    """jsonargparse's message as: what is wrong, with which value, and what to do; an option a class does not take
-    named by the first of the config files (``files``: path -> content) that sets it."""
+    """jsonargparse's message as: what is wrong, with which value, and what to do (``PARSER_MESSAGES``); an option a
+    class does not take named by the first of the config files (``files``: path -> content) that sets it."""
     text = one_line(message)
-    help_hint = "run with --help to list the valid options"
-    if m := re.search(r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'", text):
-        return f"unknown option '{m.group(1) or m.group(2)}'; check its spelling and nesting, or {help_hint}"
-    if m := re.search(r"(?i)unrecognized arguments: (.+)", text):
-        return f"unknown argument(s) {m.group(1)}; {help_hint}"
-    # A value outside an option's restricted type (PositiveFloat...), also an init_args one.
-    if m := re.search(
-        r'Parser key "([^"]+)":(?:.*?class_path.*?Parser key "([^"]+)":)? Not of type \S+: (.*?) does not conform', text
-    ):
-        key = f"{m.group(1)}.init_args.{m.group(2)}" if m.group(2) else m.group(1)
-        return f"invalid value {m.group(3)!r} for '{key}'; {_restriction(text)}"
-    # jsonargparse reports a bad init_args value as a problem with the whole class_path.
-    if m := re.search(
-        r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)', text
-    ):
-        return f"invalid value {m.group(4)!r} for '{m.group(1)}.init_args.{m.group(2)}'; {_first_reason(m.group(3))}"
-    # A class nested in another (model.net) fails inside its parent's class_path: the innermost is meant.
-    if problems := list(re.finditer(r"Problem with given class_path (\S+): ", text)):
-        inner = problems[-1]
-        keys = re.findall(r'Parser key "([^"]+)":', text[: inner.start()])
-        key, reason = ".".join(keys), text[inner.end() :].split(" - ")[0].strip()
-        if m := re.search(r"the following arguments are required: (.*)", reason):
-            return f"class_path {inner.group(1)} for '{key}' needs {m.group(1)}; set them under {key}.init_args"
-        if m := re.match(r"Option '([^']+)' is not accepted", reason):
-            option = ".init_args.".join([*keys, m.group(1)])
-            file = next((path for path, content in (files or {}).items() if _sets(content, option)), None)
-            where, there = (f" (set in config file '{file}')", " from that file") if file else ("", "")
-            return (
-                f"{option}{where} is not an argument of {inner.group(1)}; check its spelling, drop it{there}, or add "
-                "the argument to the class"
-            )
-        return (
-            f"class_path {inner.group(1)} for '{key}' cannot be used ({reason}); check its spelling "
-            "and that its module is importable (on PYTHONPATH)"
-        )
-    # An option of a class given by its registry name (`strategy: fsdp` and `--trainer.strategy.shard_layers=...`).
-    if m := re.search(r'Parser key "([^"]+)":.*?NestedArg\(key=\'([^\']+)\'', text):
-        option, key = m.groups()
-        fsdp = f"{__package__.split('.')[0]}.engine.strategies.FSDP2Strategy"
-        return (
-            f"'{option}' is given by name, and a name takes no options such as {key}; give it as a class with its "
-            f"options: --{option}=<class path> --{option}.{key}=... (for fsdp: {fsdp}; in YAML class_path and "
-            "init_args)"
-        )
-    # The rejected value, worded "Given value type: T, value: V" or "... Given value: V".
-    if m := re.search(r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$', text):
-        return f"invalid value {m.group(3).strip()!r} for '{m.group(1)}'; {_first_reason(m.group(2))}"
-    if m := re.search(r'Parser key "([^"]+)":\s*(.*)$', text):
-        return f"invalid value for '{m.group(1)}': {m.group(2)}"
-    if "Unable to load config" in text or "does not exist" in text:
-        return f"{text}; check the path given to --config"
+    for pattern, says in PARSER_MESSAGES.values():
+        if m := re.search(pattern, text):
+            return says(m, files or {})
     return text
+
+
+def _class_path_problem(m: re.Match[str], files: dict[str, Any]) -> str:
+    """A class nested in another (model.net) fails inside its parent's class_path: the innermost (last) is meant."""
+    keys = re.findall(r'Parser key "([^"]+)":', m[1])
+    class_path, key, reason = m[2], ".".join(keys), m[3].split(" - ")[0].strip()
+    if required := re.search(r"the following arguments are required: (.*)", reason):
+        return f"class_path {class_path} for '{key}' needs {required[1]}; set them under {key}.init_args"
+    if refused := re.match(r"Option '([^']+)' is not accepted", reason):
+        option = ".init_args.".join([*keys, refused[1]])
+        file = next((path for path, content in files.items() if _sets(content, option)), None)
+        where, there = (f" (set in config file '{file}')", " from that file") if file else ("", "")
+        return (
+            f"{option}{where} is not an argument of {class_path}; check its spelling, drop it{there}, or add the "
+            "argument to the class"
+        )
+    return (
+        f"class_path {class_path} for '{key}' cannot be used ({reason}); check its spelling and that its module is "
+        "importable (on PYTHONPATH)"
+    )
+
+
+def _given_by_name(m: re.Match[str], files: dict[str, Any]) -> str:
+    option, key = m.groups()
+    fsdp = f"{__package__.split('.')[0]}.engine.strategies.FSDP2Strategy"
+    return (
+        f"'{option}' is given by name, and a name takes no options such as {key}; give it as a class with its "
+        f"options: --{option}=<class path> --{option}.{key}=... (for fsdp: {fsdp}; in YAML class_path and init_args)"
+    )
+
+
+_HELP = "run with --help to list the valid options"
+_Says = Callable[[re.Match[str], dict[str, Any]], str]
+# jsonargparse's messages (made one line), in the order tried: what each is, its pattern and the line it becomes (from
+# the match and the config files). tests/errors/test_messages.py holds a message of jsonargparse's for each.
+PARSER_MESSAGES: dict[str, tuple[str, _Says]] = {
+    "unknown option": (
+        r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'",
+        lambda m, _: f"unknown option '{m[1] or m[2]}'; check its spelling and nesting, or {_HELP}",
+    ),
+    "unknown argument": (r"(?i)unrecognized arguments: (.+)", lambda m, _: f"unknown argument(s) {m[1]}; {_HELP}"),
+    # A value outside an option's restricted type (PositiveFloat...), also an init_args one.
+    "restricted value": (
+        r'Parser key "([^"]+)":(?:.*?class_path.*?Parser key "([^"]+)":)? Not of type \S+: (.*?) does not conform',
+        lambda m, _: (
+            f"invalid value {m[3]!r} for '{m[1]}{'.init_args.' + m[2] if m[2] else ''}'; {_restriction(m.string)}"
+        ),
+    ),
+    # jsonargparse reports a bad init_args value as a problem with the whole class_path.
+    "init_args value": (
+        r'Parser key "([^"]+)":.*?class_path.*?Parser key "([^"]+)": (.*?)\. Got value: (.*?)(?: - |$)',
+        lambda m, _: f"invalid value {m[4]!r} for '{m[1]}.init_args.{m[2]}'; {_first_reason(m[3])}",
+    ),
+    "class_path": (r"^(.*)Problem with given class_path (\S+): (.*)$", _class_path_problem),
+    # An option of a class given by its registry name (`strategy: fsdp` and `--trainer.strategy.shard_layers=...`).
+    "option of a name": (r'Parser key "([^"]+)":.*?NestedArg\(key=\'([^\']+)\'', _given_by_name),
+    "empty value": (
+        r'Parser key "([^"]+)":.*Given value type: <class \'str\'> Given value:\s*$',
+        lambda m, _: (
+            f"--{m[1]}= gives no value; give one (a class path for a class: --{m[1]}=package.module.Class), "
+            "or leave the option out"
+        ),
+    ),
+    # The rejected value, worded "Given value type: T, value: V" or "... Given value: V".
+    "rejected value": (
+        r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$',
+        lambda m, _: f"invalid value {m[3].strip()!r} for '{m[1]}'; {_first_reason(m[2])}",
+    ),
+    "value of one type": (
+        r'Parser key "([^"]+)": (Expected .*?)\. Got value: (.*)$',
+        lambda m, _: f"invalid value {m[3]!r} for '{m[1]}'; {_first_reason(m[2])}",
+    ),
+    "config of a section": (
+        r'Parser key "([^"]+)": Unable to load config \'([^\']+)\'',
+        lambda m, _: f"--{m[1]}={m[2]} is neither a config file nor options; check the path given to --{m[1]}",
+    ),
+    "class not set": (
+        r"the following arguments are required: (.*)$",
+        lambda m, _: (
+            f"{re.sub(r'(?:fit|validate|test|predict)[.]', '', m[1])} not set (null in a config?); name a class "
+            "for each, e.g. --model=package.module.Class, or leave it out to use the example's"
+        ),
+    ),
+    "other": (r'Parser key "([^"]+)":\s*(.*)$', lambda m, _: f"invalid value for '{m[1]}': {m[2]}"),
+    "config file": (
+        r"Unable to load config|does not exist",
+        lambda m, _: f"{m.string}; check the path given to --config",
+    ),
+}
 
 
 def _sets(content: Any, option: str) -> bool:
