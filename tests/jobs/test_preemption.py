@@ -420,6 +420,25 @@ def test_ctrl_c_to_the_group_while_ddp_starts_stops_at_the_sanity_check(tmp_path
     assert not _left(proc), "a rank outlived the job"
 
 
+@pytest.mark.parametrize("after", [0.5, 2.5], ids=["rank-1-starting", "rank-1-importing"])
+def test_no_rank_outlives_the_launcher_by_a_second_after_a_signal_as_ddp_starts(tmp_path: Path, after: float) -> None:
+    # It used to be rank 1 alive 3 s after the launcher ended: a rank still starting saw neither the signal (which
+    # waits until its fit takes it) nor its launcher's end (watched only from its fit's setup on).
+    command = [sys.executable, "-m", PACKAGE, *DDP, "--run.name=ddp-start"]
+    proc = _start(command, tmp_path, _env(tmp_path, MASTER_PORT=str(_free_port())))
+    deadline = time.monotonic() + WAIT
+    while "Initializing distributed: GLOBAL_RANK: 0" not in (tmp_path / "run.log").read_text():  # rank 1 launched
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(after)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _finish(proc, WAIT)
+    ended = time.monotonic()
+    while (left := session_processes(proc.pid)) and time.monotonic() < ended + 1:
+        time.sleep(0.05)
+    assert not left, f"processes left a second after the launcher ended: {left}"
+
+
 def test_a_sigterm_lightning_catches_as_a_resumed_run_starts_stops_it_with_a_checkpoint(tmp_path: Path) -> None:
     # A resumed run has no sanity check: from Lightning's installing its handler to the run's taking SIGTERM over as
     # training starts, Lightning's handler records the signal too, and ended the run in the validation that a restart

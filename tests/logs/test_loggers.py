@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch import Callback, Trainer
 
 from template.data import DigitsDataModule
-from template.engine.logs.loggers import CSVLogger, TensorBoardLogger
+from template.engine.logs.loggers import ResumableCSVLogger, ResumableTensorBoardLogger
 from template.model import Classifier
 from template.nets import MLP
 
@@ -30,9 +30,13 @@ def _rows(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(path.open()))
 
 
-def _fit(tmp_path: Path, save_interval: float, fail_at: int | None = None) -> tuple[Path, _FileRows, TensorBoardLogger]:
-    csv_logger = CSVLogger(tmp_path, name="logs", save_interval=save_interval)
-    tensorboard = TensorBoardLogger(tmp_path, name="logs", version=csv_logger.version, save_interval=save_interval)
+def _fit(
+    tmp_path: Path, save_interval: float, fail_at: int | None = None
+) -> tuple[Path, _FileRows, ResumableTensorBoardLogger]:
+    csv_logger = ResumableCSVLogger(tmp_path, name="logs", save_interval=save_interval)
+    tensorboard = ResumableTensorBoardLogger(
+        tmp_path, name="logs", version=csv_logger.version, save_interval=save_interval
+    )
     metrics = Path(csv_logger.log_dir) / "metrics.csv"
     watcher = _FileRows(metrics, fail_at)
     trainer = Trainer(
@@ -84,7 +88,7 @@ def test_a_damaged_metrics_csv_is_kept_aside_when_a_run_resumes(tmp_path: Path, 
     folder.mkdir(parents=True)
     (folder / "metrics.csv").write_bytes(damage)
     (folder / "metrics.damaged-1.csv").write_bytes(b"an earlier one")
-    logger = CSVLogger(tmp_path, name="logs", version="run", resume=True, save_interval=0)
+    logger = ResumableCSVLogger(tmp_path, name="logs", version="run", resume=True, save_interval=0)
     with caplog.at_level("INFO"):
         logger.experiment  # noqa: B018 - Lightning creates the writer when fit sets up, before the first values
         logger.log_metrics({"train_loss": 0.25}, step=3)
@@ -101,7 +105,7 @@ def test_a_failed_save_leaves_metrics_csv_as_it_was(tmp_path: Path, monkeypatch:
 
     from template.engine.errors import DiskError
 
-    logger = CSVLogger(tmp_path, name="logs", save_interval=0)
+    logger = ResumableCSVLogger(tmp_path, name="logs", save_interval=0)
     logger.log_metrics({"a": 1.0}, step=0)
     logger.save()
     path = Path(logger.log_dir) / "metrics.csv"
@@ -129,7 +133,7 @@ def test_a_save_interval_below_zero_or_not_a_number_is_refused_by_the_parser(val
     from template.engine.errors import explain_parser_error
 
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(CSVLogger, "logger")
+    parser.add_class_arguments(ResumableCSVLogger, "logger")
     with pytest.raises(Exception) as refused:  # noqa: PT011 - jsonargparse's own ArgumentError
         parser.parse_args(["--logger.save_dir=logs", f"--logger.save_interval={value}"])
     line = explain_parser_error(str(refused.value))

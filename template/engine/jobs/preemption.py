@@ -195,7 +195,10 @@ class Preemption(Callback):
 def defer_signals(until_the_fit: bool = True) -> None:
     """While a fit starts the preemption signals wait (blocked), and so do those of the ranks a launcher starts
     meanwhile, through their imports: the fit's Preemption takes them at its setup, where one that waits stops the fit
-    at its first safe point. ``until_the_fit=False``: delivered now (a fit without Preemption, a command's end)."""
+    at its first safe point. ``until_the_fit=False``: delivered now (a fit without Preemption, a command's end).
+    A rank another process started (LOCAL_RANK > 0) dies with it meanwhile: it would not see that signal end it."""
+    if until_the_fit and os.environ.get("LOCAL_RANK", "0").strip() not in ("", "0"):
+        die_with_parent()
     signal.pthread_sigmask(signal.SIG_BLOCK if until_the_fit else signal.SIG_UNBLOCK, _SIGNALS)
 
 

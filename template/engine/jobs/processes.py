@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ _CAUSES = {
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> None:
-    """Ask Linux to send this process ``signum`` when its parent exits; elsewhere this is a no-op."""
+    """Ask Linux to send this process ``signum`` when its parent exits (0: nothing); elsewhere this is a no-op."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
@@ -57,7 +58,10 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
 def requeue_slurm_job() -> str | None:
     """Ask SLURM to put this job (or this array task) back in the queue: None when it accepted, else why not."""
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    job = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+    job = f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID", "")
+    if not job or shutil.which("scontrol") is None:  # e.g. inside a container image without SLURM's tools
+        what = "scontrol is not on PATH here (SLURM's tools are outside this image?)" if job else "no SLURM_JOB_ID"
+        return f"cannot ask SLURM to requeue job {job or '(unknown)'}: {what}"
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -220,6 +224,7 @@ class RankWatchdog(Callback):
     def _watch_launcher(self, trainer: Trainer) -> None:
         """When rank 0, which started this rank, dies without ending it (SIGKILL, a segfault), say so in one line and
         end, even while this rank is busy or hung."""
+        die_with_parent(0)  # the start's (preemption.defer_signals): from here this watch says why, then ends
         parent, rank = os.getppid(), trainer.global_rank - trainer.local_rank
 
         def watch() -> None:

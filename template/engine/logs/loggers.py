@@ -16,9 +16,7 @@ from typing import Any
 import yaml
 from jsonargparse.typing import NonNegativeFloat
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import CSVLogger as _CSVLogger
-from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
-from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
@@ -105,7 +103,7 @@ class LogsBeforeCheckpoints(Callback):
             (logger.save_now if isinstance(logger, _TimedSave) else logger.save)()
 
 
-class CSVLogger(_TimedSave, _CSVLogger):
+class ResumableCSVLogger(_TimedSave, CSVLogger):
     """Lightning's CSVLogger, writing ``metrics.csv`` at most every ``save_interval`` seconds. With ``resume=True``
     the interrupted run's rows are kept up to the first step the resumed run logs, which logs the others again."""
 
@@ -156,13 +154,13 @@ class CSVLogger(_TimedSave, _CSVLogger):
         super().log_metrics(metrics, step)
 
 
-class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
+class ResumableTensorBoardLogger(_TimedSave, TensorBoardLogger):
     """Lightning's TensorBoardLogger, flushing its event file at most every ``save_interval`` seconds. With
     ``resume=True`` it logs no second ``hp_metric``, and its first logged step hides the interrupted run's events from
     the checkpoint's step (``resume_step``) on, as ``SummaryWriter(purge_step=...)`` would; not from that first step,
     which after an epoch's last step is one earlier (the epoch's values) and must not hide that step's own."""
 
-    announcement = CSVLogger.announcement
+    announcement = ResumableCSVLogger.announcement
 
     def __init__(self, *args: Any, resume: bool = False, resume_step: int | None = None, **kwargs: Any) -> None:
         if resume:
@@ -179,6 +177,10 @@ class TensorBoardLogger(_TimedSave, _TensorBoardLogger):
             writer.add_event(Event(step=purge, file_version="brain.Event:2"))
             writer.add_event(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
         super().log_metrics(metrics, step)
+
+
+# Their former names (tests of tests/test_internals.py, runs/ and errors/ use them), until those use the new ones.
+CSVLogger, TensorBoardLogger = ResumableCSVLogger, ResumableTensorBoardLogger  # noqa: F811
 
 
 def _kept_rows(path: Path) -> list[dict[str, str]]:
@@ -203,8 +205,10 @@ def run_loggers(
 ) -> list:
     """CSV and TensorBoard logs side by side in ``<root>/<name>/<version>`` (a run's name, else the next
     ``version_N``), CSV first: its folder is the run's; ``resume`` continues them, from the checkpoint's step."""
-    csv_logger = CSVLogger(save_dir=root or ".", name=name, version=version, resume=resume)
-    tensorboard = TensorBoardLogger(root or ".", name, csv_logger.version, resume=resume, resume_step=resume_step)
+    csv_logger = ResumableCSVLogger(save_dir=root or ".", name=name, version=version, resume=resume)
+    tensorboard = ResumableTensorBoardLogger(
+        root or ".", name, csv_logger.version, resume=resume, resume_step=resume_step
+    )
     return [csv_logger, tensorboard]
 
 

@@ -1,6 +1,7 @@
-"""``trainer.devices``: the one reading of its values, ``free:N`` (the N visible GPUs with the most free memory, read
-through NVML: torch would put a CUDA context on every GPU it asks, busy ones too), the devices a process trains on,
-and the float32 matmul precision; each process-wide setting undone when the command ends (``settings_restored``)."""
+"""``trainer.devices`` and ``trainer.strategy``: the one reading of their values; ``free:N`` (the N visible GPUs with
+the most free memory, read through NVML: torch would put a CUDA context on every GPU it asks, busy ones too), the
+devices a process trains on, and the float32 matmul precision; each process-wide setting undone when the command ends
+(``settings_restored``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,17 @@ class FreeRequest:
     text: str
     count: int
     min_free_gib: float = 0.0
+
+
+def selects(strategy: Any, cls: type[Strategy]) -> bool:
+    """Whether a ``trainer.strategy`` value (its registry name, an instance or a ``class_path`` config) selects
+    ``cls``, a strategy with a ``strategy_name``: the one reading of that option's values."""
+    if isinstance(strategy, str):
+        return strategy.strip().lower() == cls.strategy_name
+    class_path = strategy.get("class_path") if isinstance(strategy, Mapping) else getattr(strategy, "class_path", None)
+    if isinstance(class_path, str):
+        return class_path.rpartition(".")[2] == cls.__name__
+    return isinstance(strategy, cls)
 
 
 def gpu_indices(devices: Any, visible: int) -> list[int]:

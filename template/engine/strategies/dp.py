@@ -18,7 +18,7 @@ from typing_extensions import override
 from template.engine.errors import ConfigError
 from template.engine.internals import eager_call, is_compiled_in_place, layer_sync_enabled, set_compiled_call
 from template.engine.logs.console import Mechanism
-from template.engine.strategies.devices import gpu_indices
+from template.engine.strategies.devices import gpu_indices, selects
 
 # Shipped with the project: the data-parallel run that needs no GPU.
 CPU_ALTERNATIVE = "configs/ddp_cpu.yaml"
@@ -174,8 +174,7 @@ class DataParallelStrategy(ParallelStrategy):
 
 def check_dp_trainer_config(trainer: Mapping[str, Any]) -> None:
     """Before the Trainer is built: if ``trainer`` selects dp (by name or instance), refuse what it cannot run."""
-    strategy = trainer.get("strategy")
-    if isinstance(strategy, DataParallelStrategy) or str(strategy).strip().lower() == "dp":
+    if selects(trainer.get("strategy"), DataParallelStrategy):
         settings = (trainer.get("accelerator", "auto"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
         check_dp_settings(*settings, sync_batchnorm=bool(trainer.get("sync_batchnorm")))
 

@@ -28,6 +28,7 @@ from template.engine.internals import (
 )
 from template.engine.logs.console import Mechanism
 from template.engine.store import atomic_torch_save, replace_directory
+from template.engine.strategies.devices import selects
 
 # The precisions ModelParallelStrategy takes; bf16-mixed here also gathers bf16 parameters and reduces in float32.
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -154,12 +155,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 def is_fsdp(strategy: Any) -> bool:
     """Whether a ``trainer.strategy`` value (name, instance or ``class_path`` config) selects this strategy."""
-    if isinstance(strategy, str):
-        return strategy.strip().lower() == FSDP2Strategy.strategy_name
-    class_path = strategy.get("class_path") if isinstance(strategy, Mapping) else getattr(strategy, "class_path", None)
-    if isinstance(class_path, str):
-        return class_path.rpartition(".")[2] == FSDP2Strategy.__name__
-    return isinstance(strategy, FSDP2Strategy)
+    return selects(strategy, FSDP2Strategy)
 
 
 def check_fsdp_trainer_config(trainer: Mapping[str, Any]) -> None:
