@@ -29,7 +29,7 @@ def test_a_parsers_refusal_is_one_config_error() -> None:
         parser.parse_args(["--epochs=many"])
     mistake = parser_error(refused.value, "trial 3: ")
     assert isinstance(mistake, ConfigError) and "\n" not in str(mistake)
-    assert str(mistake).startswith("trial 3: invalid value for 'epochs'") and "many" in str(mistake), mistake
+    assert str(mistake) == "trial 3: invalid value 'many' for 'epochs'; expected int"
     # A ConfigError raised by the code the parser ran is kept as it is.
     try:
         raise ValueError("Does not validate") from ConfigError("config file x.yaml does not exist")

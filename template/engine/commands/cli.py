@@ -98,7 +98,8 @@ class DescribedTrainer(Trainer):
 
 
 class ArgumentParser(LightningArgumentParser):
-    """Dumps a config without validating it again: the parse validated it, ``settle`` adds only the engine's values."""
+    """Dumps a config without validating it again: the parse validated it; ``parse_arguments`` adds only the engine's
+    values."""
 
     dump = functools.partialmethod(LightningArgumentParser.dump, skip_validation=True)
     save = functools.partialmethod(LightningArgumentParser.save, skip_validation=True)
@@ -173,7 +174,12 @@ class CLI(LightningCLI):
                 self._parse(parser, args, Namespace(chosen).as_dict(), files)
         config = _of_subcommand(self.config)
         preflight.check_sections(files, self.parsers[-1].groups, config)  # trainer, model, data: each a mapping
-        self.fit_run = settle(config, self.config.get("subcommand"), self.folders)
+        # What the run will use, as --print_config prints it and config.yaml saves it.
+        subcommand = self.config.get("subcommand")
+        checkpoint_defaults(config)
+        folder.refuse_what_object_storage_cannot_hold(config, subcommand)
+        resolve_ckpt_path(config, self.folders)
+        self.fit_run = continue_fit(config, self.folders) if subcommand == "fit" else None
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any, defaults: dict[str, Any], files: dict) -> None:
@@ -295,9 +301,9 @@ class CLI(LightningCLI):
             rank_zero_info(f"Best checkpoint: {checkpoint.best_model_path} ({checkpoint.monitor}={score:.4f})")
 
 
-def settle(config: Any, subcommand: str | None, folders: RunFolders) -> Run | None:
-    """Make the subcommand's parsed config (in place) what the run will use, as --print_config prints it and
-    config.yaml saves it; the checkpoint is validated before anything reads it. For fit, the run it continues."""
+def checkpoint_defaults(config: Any) -> None:
+    """The checkpoint options that follow from the others, set in the parsed config (as --print_config prints it and
+    config.yaml saves it): the example's monitor, no "best" copy without a score, a file name naming the score."""
     if config.get("model.class_path") == EXAMPLE["model"] and config.get("checkpoint.monitor") is None:
         config["checkpoint.monitor"] = "val_acc"  # what the example's best checkpoint is chosen by
         if config.get("checkpoint.mode") == "min":  # ModelCheckpoint's default; a value of the user's stays theirs
@@ -308,7 +314,11 @@ def settle(config: Any, subcommand: str | None, folders: RunFolders) -> Run | No
         config["checkpoint.save_top_k"] = 0
     if config.get("checkpoint.filename") is None and monitor:
         config["checkpoint.filename"] = f"best-{{epoch}}-{{{monitor}:.4f}}"
-    folder.refuse_what_object_storage_cannot_hold(config, subcommand)
+
+
+def resolve_ckpt_path(config: Any, folders: RunFolders) -> None:
+    """--ckpt_path made the local file the run reads (``last``: the newest under the root; a remote one downloaded)
+    and checked before anything reads it."""
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == "last":
         root = config.get("trainer.default_root_dir") or "."
@@ -318,9 +328,11 @@ def settle(config: Any, subcommand: str | None, folders: RunFolders) -> Run | No
         config["ckpt_path"] = ckpt_path = folders.download(ckpt_path, "--ckpt_path", config.get("run.storage_options"))
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
         checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
-    if subcommand != "fit":
-        return None
-    run = continue_run(config, folders)  # the run's folder, and its newest checkpoint when the same command restarts
+
+
+def continue_fit(config: Any, folders: RunFolders) -> Run:
+    """The run a fit continues: its folder, and its newest checkpoint when the same command restarts."""
+    run = continue_run(config, folders)
     config["ckpt_path"] = run.ckpt_path
     if (line := run.describe()) is not None:
         rank_zero_info(line)
