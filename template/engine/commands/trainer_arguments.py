@@ -122,22 +122,30 @@ def callbacks(
         # Lightning's default bar redraws after every step, which costs more than a small model's step.
         added.append(TimedProgressBar(refresh_rate=10))
     if subcommand == "fit":
-        fsdp.check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
-        monitors = {"checkpoint.monitor": monitor} if monitor else {}
-        for index, callback in enumerate(configured):  # those that stop a run on a missing metric (EarlyStopping)
-            if isinstance(metric := getattr(callback, "monitor", None), str) and getattr(callback, "strict", True):
-                monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
-        tracked = tracking.has_trackers([*(trackers or []), *listed(trainer_config.get("logger"))])
-        added += [MonitorCheck(monitors)] if monitors else []
-        added += [tracking.TrackerRuns(configs)] if tracked else []
-        added += [LogsBeforeCheckpoints(), PaddedValidation()]
-        added += ema_callbacks(**vars(ema)) if ema is not None else []
-        # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.
-        preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
-        if not run.preemption:
-            defer_signals(False)  # the signals are Lightning's
-        added += [*preemption, Provenance(), *periodic_checkpoint(run)]
+        added += _fit_callbacks(trainer_config, configured, run, monitor, ema, trackers)
     return {"callbacks": [*configured, *added]} if added else {}
+
+
+def _fit_callbacks(
+    trainer_config: dict[str, Any], configured: list[Any], run: Run, monitor: str | None, ema: Any, trackers: Any
+) -> list[Callback]:
+    """What a fit adds: checks of the monitored metrics, tracker runs, log flushes, EMA, preemption, provenance."""
+    fsdp.check_ema(getattr(ema, "decay", None), trainer_config.get("strategy"))
+    monitors = {"checkpoint.monitor": monitor} if monitor else {}
+    for index, callback in enumerate(configured):  # those that stop a run on a missing metric (EarlyStopping)
+        if isinstance(metric := getattr(callback, "monitor", None), str) and getattr(callback, "strict", True):
+            monitors[f"trainer.callbacks[{index}] ({type(callback).__name__}) monitor"] = metric
+    tracked = tracking.has_trackers([*(trackers or []), *listed(trainer_config.get("logger"))])
+    added: list[Callback] = [MonitorCheck(monitors)] if monitors else []
+    added += [tracking.TrackerRuns(configs)] if tracked else []
+    added += [LogsBeforeCheckpoints(), PaddedValidation()]
+    added += ema_callbacks(**vars(ema)) if ema is not None else []
+    # After the callbacks that change the state at a batch's end: the checkpoints written there hold the changes.
+    preemption = [Preemption(run.preemption_check_interval)] if run.preemption else []
+    if not run.preemption:
+        defer_signals(False)  # the signals are Lightning's
+    added += [*preemption, Provenance(), *periodic_checkpoint(run)]
+    return added
 
 
 def listed(value: Any) -> list[Any]:

@@ -94,7 +94,12 @@ def refused_by(err: BaseException, package: str | None = None, building: bool = 
         return None
     if package is not None and not frames[-1].f_globals.get("__name__", "").startswith(f"{package}."):
         return None
-    # The outermost library frame below the user's and the engine's code names the class given the value.
+    return _refuser(frames)
+
+
+def _refuser(frames: list[FrameType]) -> str:
+    """The class (else the function) of the outermost library frame below the user's and the engine's code: the
+    one given the value."""
     ours = [i for i, frame in enumerate(frames) if _users(frame) or frame.f_code.co_filename.startswith(_ENGINE)]
     for frame in frames[ours[-1] + 1 if ours else 0 :]:
         if frame.f_code.co_name == "__init__" and (owner := frame.f_locals.get("self")) is not None:
@@ -219,16 +224,21 @@ class Instantiator:
         """The option building ``cls`` from ``kwargs`` (jsonargparse names the class, not the option): the one whose
         class_path imports as ``cls``, or its section; among several, the one with those values."""
         options = flat(self.config)
+        plain = {name: value for name, value in kwargs.items() if _plain(value)}
+        named = self._options_of(cls, options)
+        builds = [Build(option, path, {prefix + k: v for k, v in plain.items()}) for option, path, prefix in named]
+        same = [b for b in builds if all(options.get(k) is None or options[k] == v for k, v in b.values.items())]
+        return next(iter(same or builds), None)
+
+    def _options_of(self, cls: type, options: dict[str, Any]) -> list[tuple[str, str | None, str]]:
+        """The options that may build ``cls``, each with its class path and its arguments' prefix: those naming it by
+        class_path, and its section."""
         named = [
             (key.removesuffix(".class_path"), path, f"{key.removesuffix('class_path')}init_args.")
             for key, path in options.items()
             if key.endswith(".class_path") and isinstance(path, str) and located(path) is cls
         ]
-        named += [(option, None, f"{option}.") for option, section in self.sections.items() if section is cls]
-        plain = {name: value for name, value in kwargs.items() if _plain(value)}
-        builds = [Build(option, path, {prefix + k: v for k, v in plain.items()}) for option, path, prefix in named]
-        same = [b for b in builds if all(options.get(k) is None or options[k] == v for k, v in b.values.items())]
-        return next(iter(same or builds), None)
+        return named + [(option, None, f"{option}.") for option, section in self.sections.items() if section is cls]
 
 
 def built(err: BaseException, by_parser: bool = False) -> Build | None:
