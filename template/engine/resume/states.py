@@ -10,7 +10,7 @@ import math
 import pickle
 import warnings
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,15 @@ class Restart(Enum):
         if loop.restarted_on_epoch_end or loop.resumed_on_epoch_end:
             return cls.EPOCH_END
         return cls.FRESH
+
+
+@runtime_checkable
+class Stopper(Protocol):
+    """A callback that stops the run on a signal (``jobs.Preemption``, a layer above): whether a stop is under way,
+    so that a checkpoint written for it says at once where the continuation cannot be exact."""
+
+    @property
+    def stopping(self) -> bool: ...
 
 
 class ExactResume(Callback):
@@ -167,8 +176,8 @@ class ExactResume(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         progress = trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.processed
-        # A stop under way: Lightning's own SIGTERM handling, or Preemption's (its signal's time is public).
-        stopping = trainer.received_sigterm or any(getattr(c, "signalled_at", None) for c in trainer.callbacks)
+        # A stop under way: Lightning's own SIGTERM handling, or a Stopper's (jobs.Preemption).
+        stopping = trainer.received_sigterm or any(isinstance(c, Stopper) and c.stopping for c in trainer.callbacks)
         if not stopping or not done or progress.is_last_batch:
             return
         # Said now, not after the restart, where the continuation will differ.
