@@ -108,15 +108,9 @@ class Driver:
 
     def run(self) -> int:
         """Run trials until the study holds ``n_trials`` finished ones (0), too many failed in a row (1) or a signal
-        stopped them to be continued (128 + it); the signal handlers are the caller's again when it returns."""
-        handlers = {signum: signal.signal(signum, self._on_signal) for signum in STOPS}
-        try:
-            return self._run()
-        finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-
-    def _run(self) -> int:
+        stopped them to be continued (128 + it). Its signal handlers stay: the caller restores its own."""
+        for signum in STOPS:
+            signal.signal(signum, self._on_signal)
         fresh = start_fork_server()  # running already: started as the command started
         self.starts = multiprocessing.get_context("spawn" if fresh else "forkserver")
         if fresh:
@@ -239,8 +233,8 @@ class Driver:
             running.values[step] = value
             if not math.isfinite(value):
                 return self._end(running, Status.FAILED, f"{self.sweep.objective} is {value} at step {step}")
-            if step in running.reported or running.fold is not None:  # a fold's trial reports per fold
-                continue
+            if step in running.reported or (running.fold is not None and FOLD not in running.trial.params):
+                continue  # a trial of folds reports after each fold; a cv's fold at each validation
             running.reported.add(step)
             running.trial.report(value, step)
             if self.sweep.pruner != "none" and running.trial.should_prune():
@@ -295,7 +289,7 @@ class Driver:
         trial = running.trial
         scores = [*trial.user_attrs.get(Life.FOLD_SCORES, []), best]
         # The report first: killed between the two writes, the fold runs again and its report is there.
-        if len(scores) - 1 not in running.reported:
+        if len(scores) - 1 not in running.reported and FOLD not in trial.params:
             trial.report(statistics.fmean(scores), len(scores) - 1)
         trial.set_user_attr(Life.FOLD_SCORES, scores)
         if FOLD in trial.params or len(scores) == self.folds:

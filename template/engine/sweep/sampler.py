@@ -99,7 +99,8 @@ def _point(space: dict[str, BaseDistribution], values: dict[str, Any]) -> tuple 
 
 
 def _grid(space: dict[str, BaseDistribution], fixed: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Every point of a finite space that agrees with ``fixed``; None for a continuous or very large space."""
+    """Every point of a finite space that agrees with ``fixed``; None for a continuous or very large space. Optuna's
+    BruteForceSampler counts failed trials as taken and queued ones as free, and stops the study when none is left."""
     axes = []
     for name, d in space.items():
         if name in fixed:

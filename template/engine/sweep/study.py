@@ -14,10 +14,11 @@ import json
 import logging.handlers
 import pydoc
 import re
+import signal
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,10 @@ from template.engine.runs.remote import COPIES, RemoteRoot, is_remote
 from template.engine.runs.table import format_table
 from template.engine.store import atomic_write
 from template.engine.sweep import CV, SWEEP, Sweep, trial_environment
-from template.engine.sweep.driver import Driver, Life, claim_slots, slot_gpus, who
+from template.engine.sweep.driver import STOPS, Driver, Life, claim_slots, slot_gpus
 from template.engine.sweep.folds import FOLD, PROTOCOL, log
 from template.engine.sweep.options import Configs, search_space
-from template.engine.sweep.reporter import MEMORY_FRACTION, REPORTER, REPORTS
+from template.engine.sweep.reporter import MEMORY_FRACTION, REPORTER
 from template.engine.sweep.sampler import TrialSeeded
 
 JOURNAL, TABLE, FOLDS, BEST = "study.journal", "trials.csv", "folds.csv", "best.yaml"
@@ -121,14 +122,12 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
     space = search_space(sweep)
     base = configs.complete({})
     sweep = scored(sweep, base.get("checkpoint", {}), "cv" if cv else "sweep")
-    for key, d in space.items():  # each choice, or the lowest value, taken by the fit parser
-        for value in d.choices if isinstance(d, CategoricalDistribution) else [d.low]:
-            configs.complete({key: value}, what=f"sweep.space['{key}']: ")
-    for values in sweep.enqueue or []:
-        configs.complete(values, what="sweep.enqueue: ")
+    check_values(configs, space, sweep.enqueue or [])
     trainer = base.get("trainer", {})
     slot_gpus(trainer, [f"check.{n}" for n in range(sweep.workers)], sweep.trials_per_gpu)  # enough GPUs for all
     with contextlib.ExitStack() as stack:
+        for signum, handler in {s: signal.getsignal(s) for s in STOPS}.items():  # the driver's, undone last
+            stack.callback(signal.signal, signum, handler)
         folder, storage, env = stack.enter_context(home(sweep, space, folds, trainer, base.get("run", {})))
         slots = claim_slots(folder, sweep.workers)
         for lock in slots.values():
@@ -145,6 +144,15 @@ def run_study(sweep: Sweep, configs: Configs, folds: int = 0, cv: bool = False) 
             url = _without_password(sweep.storage) if sweep.storage else folder / JOURNAL
             print(f"Dashboard: pip install optuna-dashboard && optuna-dashboard {url}")
         return code
+
+
+def check_values(configs: Configs, space: dict[str, BaseDistribution], enqueue: list[dict[str, Any]]) -> None:
+    """Each choice of the space, or its lowest value, and each enqueued set of values, taken by the fit parser."""
+    for key, d in space.items():
+        for value in d.choices if isinstance(d, CategoricalDistribution) else [d.low]:
+            configs.complete({key: value}, what=f"sweep.space['{key}']: ")
+    for values in enqueue:
+        configs.complete(values, what="sweep.enqueue: ")
 
 
 def scored(sweep: Sweep, checkpoint: dict[str, Any], section: str) -> Sweep:
@@ -298,7 +306,7 @@ def write_results(study: optuna.Study, folder: Path, objective: str, cv: bool = 
     if cv:
         lines = ["| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *cells]]
         atomic_write(folder / "folds.md", lambda f: f.write("\n".join([*lines, ""]).encode()))
-        plotted = _plots(folder, {"curves.png": _curves}, trials, folder, objective)
+        plotted = _plots(folder, {"curves.png": "plot_intermediate_values"}, study)  # each fold at each validation
         print(f"Table: {folder / FOLDS}, folds.md" + (", plot: curves.png" if plotted else ""))
         print(f"CV {study.study_name}: {objective} {rows[-2][1]:.6g} +- {rows[-1][1]:.3g} over {len(rows) - 2} folds")
         return
@@ -310,10 +318,8 @@ def write_results(study: optuna.Study, folder: Path, objective: str, cv: bool = 
         atomic_write(folder / BEST, lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()))
         print(f"Best: trial {best.number}, {objective}={best.value:.6g}; reproduce it with")
         print(f"  python -m {__package__.split('.')[0]} fit --config {folder / BEST}")
-    from optuna.visualization import matplotlib as plot
-
     names = ("history.png", "importances.png", "parallel_coordinates.png")
-    kinds = (plot.plot_optimization_history, plot.plot_param_importances, plot.plot_parallel_coordinate)
+    kinds = ("plot_optimization_history", "plot_param_importances", "plot_parallel_coordinate")
     for name in _plots(folder, dict(zip(names, kinds, strict=True)), study):
         print(f"Plot: {folder / name}")
 
@@ -366,14 +372,15 @@ def reproduction(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _plots(folder: Path, plots: dict[str, Callable[..., Any]], *args: Any) -> list[str]:
-    """Each plot ``plots[name](*args)`` that can be drawn (too few trials for some), written as ``folder/<name>``;
-    none without matplotlib, said in one line."""
+def _plots(folder: Path, plots: dict[str, str], study: optuna.Study) -> list[str]:
+    """Each of Optuna's plots ``plots[name]`` of the study that can be drawn (too few trials for some), written as
+    ``folder/<name>``; none without matplotlib, said in one line."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from optuna.visualization import matplotlib as optuna_plots
     except ImportError:
         print(f"Plots need matplotlib: {SWEEP_EXTRA}")
         return []
@@ -383,24 +390,10 @@ def _plots(folder: Path, plots: dict[str, Callable[..., Any]], *args: Any) -> li
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
             try:
-                axes = plot(*args)
+                axes = getattr(optuna_plots, plot)(study)
             except (ValueError, RuntimeError, ZeroDivisionError):
                 continue
         atomic_write(folder / name, functools.partial(axes.figure.savefig, format="png", dpi=100, bbox_inches="tight"))
         plt.close(axes.figure)
         written.append(name)
     return written
-
-
-def _curves(trials: list[FrozenTrial], folder: Path, objective: str) -> Any:
-    """The objective at each validation of each fold (one restarted from a checkpoint repeats some: the last counts)."""
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for trial in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.params[FOLD]):
-        reports = (folder / f"fold-{trial.params[FOLD]}" / REPORTS).read_text().splitlines()
-        points = sorted({r["step"]: r["value"] for r in map(json.loads, reports)}.items())
-        axes.plot(*zip(*points, strict=True), marker=".", label=who(trial))
-    axes.set(xlabel="step", ylabel=objective, title=f"{folder.name}: {objective} at each validation")
-    axes.legend()
-    return axes
