@@ -97,7 +97,8 @@ def _readme_uv_commands() -> list[str]:
 @pytest.mark.timeout(2400)
 def test_uv_sync_and_run_the_readme_commands_in_a_fresh_copy(tmp_path: Path) -> None:
     """`uv sync && uv run python -m template fit ...` trains the example with torch 2.13.0 in the project's `.venv`,
-    locked in a new `uv.lock`; `uv sync --extra dev && uv run python -m pytest -n auto` runs the suite there."""
+    locked in a new `uv.lock`; `uv sync --extra dev && uv run python -m pytest -n auto` runs the suite there (two of
+    its files, chosen by ``PYTEST_ADDOPTS``)."""
     train, test = _readme_uv_commands()
     assert train.startswith("uv sync && uv run python -m") and f" -m {PACKAGE} fit " in train, train
     assert test.startswith("uv sync --extra dev && uv run python -m pytest"), test
