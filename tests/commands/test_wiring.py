@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch import Trainer
 
-from template.engine.commands import cli
+from template.engine.commands import trainer_arguments
 from template.engine.jobs.preemption import Preemption
 from template.engine.logs import console
 from template.engine.logs.console import first_lines
@@ -22,7 +22,10 @@ from template.engine.strategies.scaling import BatchScaling
 def _trainer(subcommand: str = "fit", **trainer_config: object) -> Trainer:
     """A Trainer with what the command line adds for ``trainer_config`` (as the parsed config holds it)."""
     run = Run(None, None, None, resume=False, preemption=trainer_config.pop("preemption", True))
-    pieces = {**cli.plugins(trainer_config), **cli.callbacks(trainer_config, subcommand, run, None)}
+    pieces = {
+        **trainer_arguments.plugins(trainer_config),
+        **trainer_arguments.callbacks(trainer_config, subcommand, run, None),
+    }
     return Trainer(accelerator="cpu", logger=False, **{**trainer_config, **pieces})
 
 
@@ -67,25 +70,27 @@ def test_an_idle_object_announces_nothing() -> None:
 
 def test_pieces_follow_their_switches() -> None:
     run = Run(None, None, None, resume=False)
-    added = cli.callbacks({}, "fit", run, "val_acc")["callbacks"]
+    added = trainer_arguments.callbacks({}, "fit", run, "val_acc")["callbacks"]
     kinds = [type(c) for c in added]
     assert kinds == [
         console.TimedProgressBar,
         console.MonitorCheck,
         LogsBeforeCheckpoints,
-        cli.PaddedValidation,
+        trainer_arguments.PaddedValidation,
         Preemption,
         Provenance,
     ]
     quiet = Run(None, None, None, resume=False, preemption=False)
-    kinds = [type(c) for c in cli.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]]
-    assert kinds == [LogsBeforeCheckpoints, cli.PaddedValidation, Provenance]  # they only write or say
-    averaged = [type(c) for c in cli.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]]
+    kinds = [
+        type(c) for c in trainer_arguments.callbacks({"enable_progress_bar": False}, "fit", quiet, None)["callbacks"]
+    ]
+    assert kinds == [LogsBeforeCheckpoints, trainer_arguments.PaddedValidation, Provenance]  # they only write or say
+    averaged = [type(c) for c in trainer_arguments.callbacks({}, "fit", run, None, EMAOptions(decay=0.9))["callbacks"]]
     # A stop's checkpoint at a batch's end holds that batch's update of the average.
     assert averaged.index(EMA) < averaged.index(Preemption)
-    assert cli.callbacks({"enable_progress_bar": False}, "validate", run, "val_acc") == {}
-    assert isinstance(cli.plugins({})["plugins"][0], AtomicCheckpointIO)
-    assert cli.plugins({"plugins": []}) == {}
+    assert trainer_arguments.callbacks({"enable_progress_bar": False}, "validate", run, "val_acc") == {}
+    assert isinstance(trainer_arguments.plugins({})["plugins"][0], AtomicCheckpointIO)
+    assert trainer_arguments.plugins({"plugins": []}) == {}
 
 
 def test_tracker_runs_come_with_a_tracker(tmp_path) -> None:  # noqa: ANN001
@@ -94,9 +99,9 @@ def test_tracker_runs_come_with_a_tracker(tmp_path) -> None:  # noqa: ANN001
 
     run = Run(None, None, None, resume=False, preemption=False)
     tracker = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # built lazily: nothing is written
-    added = [type(c) for c in cli.callbacks({}, "fit", run, None, trackers=[tracker])["callbacks"]]
+    added = [type(c) for c in trainer_arguments.callbacks({}, "fit", run, None, trackers=[tracker])["callbacks"]]
     assert TrackerRuns in added
-    assert TrackerRuns not in [type(c) for c in cli.callbacks({}, "fit", run, None)["callbacks"]]
+    assert TrackerRuns not in [type(c) for c in trainer_arguments.callbacks({}, "fit", run, None)["callbacks"]]
 
 
 def test_monitor_check_waits_for_training_metrics_and_names_what_is_logged() -> None:

@@ -50,12 +50,6 @@ SAMPLES: dict[str, tuple[str, dict, str]] = {
         "with its options: --trainer.strategy=<class path> --trainer.strategy.shard_layers=... (for fsdp: "
         f"{FSDP2}; in YAML class_path and init_args)",
     ),
-    "empty value": (
-        "Parser key \"data\": - Expected a path but  either not accessible or invalid - Does not validate against any of the Union subtypes Subtypes: [<class 'lightning.pytorch.core.datamodule.LightningDataModule'>, <class 'NoneType'>] Errors: - Expected a dot import path string: - Expected a <class 'NoneType'> Given value type: <class 'str'> Given value:",  # noqa: E501
-        {},
-        "--data= gives no value; give one (a class path for a class: --data=package.module.Class), or leave the "
-        "option out",
-    ),
     "rejected value": (
         "Parser key \"trainer.max_epochs\": Does not validate against any of the Union subtypes Subtypes: [<class 'int'>, <class 'NoneType'>] Errors: - Expected a <class 'int'> - Expected a <class 'NoneType'> Given value type: <class 'str'> Given value: abc",  # noqa: E501
         {},
@@ -65,17 +59,6 @@ SAMPLES: dict[str, tuple[str, dict, str]] = {
         "Parser key \"test_after_fit\": Expected a <class 'bool'>. Got value: maybe",
         {},
         "invalid value 'maybe' for 'test_after_fit'; expected bool",
-    ),
-    "config of a section": (
-        'Parser key "trainer": Unable to load config \'nope.yaml\' - Parser key "trainer": Unable to load config "nope.yaml"',  # noqa: E501
-        {},
-        "--trainer=nope.yaml is neither a config file nor options; check the path given to --trainer",
-    ),
-    "class not set": (
-        "the following arguments are required: fit.model",
-        {},
-        "model not set (null in a config?); name a class for each, e.g. --model=package.module.Class, or leave it "
-        "out to use the example's",
     ),
     "other": (
         "Parser key \"format\": 'bar' not among choices ('weights', 'onnx')",

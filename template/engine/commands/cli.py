@@ -27,7 +27,6 @@ from template.engine.commands import COMMANDS, PROGRAM, preflight
 from template.engine.commands.predictions import PredictionWriter
 from template.engine.commands.quiet import quiet_libraries
 from template.engine.commands.trainer_arguments import (
-    PaddedValidation,  # noqa: F401 - tests/commands/test_wiring.py reads it here until it imports it from its module
     callbacks,
     listed,
     loggers,

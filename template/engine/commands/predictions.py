@@ -13,8 +13,6 @@ from torch import Tensor
 
 from template.engine.errors import ConfigError
 
-ACCEPTED = "a tensor with a row per sample, a tuple, list or dict of them, or a list of a number or string per sample"
-
 
 class PredictionWriter(BasePredictionWriter):
     """Saves the predictions with each sample's dataset index in one CSV file, ``path`` (else ``<log_dir>/
@@ -79,22 +77,17 @@ def columns(output: Any, name: str, samples: int) -> list[tuple[str, list[Any]]]
 
 def _per_sample(output: Any, name: str, samples: int) -> list[tuple[str, list[Any]]]:
     """The columns of a tensor with a row per sample (one per dimension after the first), or of a list or tuple of a
-    number or string per sample; else the refusal."""
+    number or string per sample; else a ConfigError naming what ``output`` is."""
     if isinstance(output, Tensor) and output.dim() > 0 and len(output) == samples:
         values = output.detach().reshape(samples, -1).T.tolist()
         return [(name, values[0])] if len(values) == 1 else [(f"{name}_{i}", v) for i, v in enumerate(values)]
-    if (
-        isinstance(output, (list, tuple))
-        and len(output) == samples
-        and all(isinstance(v, (int, float, str)) for v in output)
-    ):
+    plain = isinstance(output, (list, tuple)) and all(isinstance(v, (int, float, str)) for v in output)
+    if plain and len(output) == samples:
         return [(name, list(output))]
-    raise _refused(output, name, samples)
-
-
-def _refused(output: Any, name: str, samples: int) -> ConfigError:
     what = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, Tensor) else f"a {type(output).__name__}"
-    if isinstance(output, (list, tuple, dict)):
-        what += f" of {len(output)}"
+    what += f" of {len(output)}" if isinstance(output, (list, tuple, dict)) else ""
     returned = "predict_step returned" if name == "prediction" else f"predict_step's output {name!r} is"
-    return ConfigError(f"{returned} {what} for a batch of {samples} samples; the predictions file takes {ACCEPTED}")
+    raise ConfigError(
+        f"{returned} {what} for a batch of {samples} samples; the predictions file takes a tensor with a row per "
+        "sample, a tuple, list or dict of them, or a list of a number or string per sample"
+    )

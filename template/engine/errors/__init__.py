@@ -105,13 +105,12 @@ def _given_by_name(m: re.Match[str], files: dict[str, Any]) -> str:
 
 
 _HELP = "run with --help to list the valid options"
-_Says = Callable[[re.Match[str], dict[str, Any]], str]
-# jsonargparse's messages (made one line), in the order tried: what each is, its pattern and the line it becomes (from
-# the match and the config files). tests/errors/test_messages.py holds a message of jsonargparse's for each.
-PARSER_MESSAGES: dict[str, tuple[str, _Says]] = {
+# jsonargparse's messages (made one line) in the order tried: their pattern, and the line from the match and the config
+# files. tests/errors/test_messages.py holds a message of jsonargparse's for each.
+PARSER_MESSAGES: dict[str, tuple[str, Callable[[re.Match[str], dict[str, Any]], str]]] = {
     "unknown option": (
-        r"No action for key \"([^\"]+)\"|does not accept option '([^']+)'",
-        lambda m, _: f"unknown option '{m[1] or m[2]}'; check its spelling and nesting, or {_HELP}",
+        r"(?:No action for key \"|does not accept option ')([^\"']+)",
+        lambda m, _: f"unknown option '{m[1]}'; check its spelling and nesting, or {_HELP}",
     ),
     "unknown argument": (r"(?i)unrecognized arguments: (.+)", lambda m, _: f"unknown argument(s) {m[1]}; {_HELP}"),
     # A value outside an option's restricted type (PositiveFloat...), also an init_args one.
@@ -129,13 +128,6 @@ PARSER_MESSAGES: dict[str, tuple[str, _Says]] = {
     "class_path": (r"^(.*)Problem with given class_path (\S+): (.*)$", _class_path_problem),
     # An option of a class given by its registry name (`strategy: fsdp` and `--trainer.strategy.shard_layers=...`).
     "option of a name": (r'Parser key "([^"]+)":.*?NestedArg\(key=\'([^\']+)\'', _given_by_name),
-    "empty value": (
-        r'Parser key "([^"]+)":.*Given value type: <class \'str\'> Given value:\s*$',
-        lambda m, _: (
-            f"--{m[1]}= gives no value; give one (a class path for a class: --{m[1]}=package.module.Class), "
-            "or leave the option out"
-        ),
-    ),
     # The rejected value, worded "Given value type: T, value: V" or "... Given value: V".
     "rejected value": (
         r'Parser key "([^"]+)":(.*?)Given value type: \S+?(?:, value| .*? Given value): (.*)$',
@@ -144,17 +136,6 @@ PARSER_MESSAGES: dict[str, tuple[str, _Says]] = {
     "value of one type": (
         r'Parser key "([^"]+)": (Expected .*?)\. Got value: (.*)$',
         lambda m, _: f"invalid value {m[3]!r} for '{m[1]}'; {_first_reason(m[2])}",
-    ),
-    "config of a section": (
-        r'Parser key "([^"]+)": Unable to load config \'([^\']+)\'',
-        lambda m, _: f"--{m[1]}={m[2]} is neither a config file nor options; check the path given to --{m[1]}",
-    ),
-    "class not set": (
-        r"the following arguments are required: (.*)$",
-        lambda m, _: (
-            f"{re.sub(r'(?:fit|validate|test|predict)[.]', '', m[1])} not set (null in a config?); name a class "
-            "for each, e.g. --model=package.module.Class, or leave it out to use the example's"
-        ),
     ),
     "other": (r'Parser key "([^"]+)":\s*(.*)$', lambda m, _: f"invalid value for '{m[1]}': {m[2]}"),
     "config file": (
