@@ -167,7 +167,8 @@ class RunFolders:
         """Record this start as failed with ``exception`` if it failed after the claim but before its ``Provenance``
         recorded it (in the DataModule's ``setup``, a check before training), so that ``runs`` lists it."""
         if self.claimed is not None and len(read_starts(self.claimed)) == self.starts:
-            record_failed_start(self.claimed, exception)
+            with contextlib.suppress(OSError):  # often the disk the run failed on: its own error is what it says
+                record_failed_start(self.claimed, exception)
 
     def prepare(self, directory: str | os.PathLike, option: str) -> None:
         """Create ``directory`` if needed and prove it writable before training; a DiskError naming ``option`` if not
