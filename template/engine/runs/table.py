@@ -75,9 +75,7 @@ def read_run(folder: Path, root: Path) -> tuple[list[str], dict[str, str]]:
 
 def _tested(metrics: list[dict[str, str]]) -> dict[str, str]:
     """The last value of each ``test_*`` metric in ``metrics.csv``."""
-    columns = {
-        key: _column(metrics, key) for key in sorted({k for row in metrics for k in row if k.startswith(TESTED)})
-    }
+    columns = {key: _column(metrics, key) for key in sorted(set().union(*metrics)) if key.startswith(TESTED)}
     return {key: f"{values[-1]:.4g}" for key, values in columns.items() if values}
 
 
