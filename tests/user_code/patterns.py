@@ -17,7 +17,8 @@ from user_code.plain_data import PlainDigits, _digits
 
 
 class Net(LightningModule):
-    """A small convolutional classifier with dropout, trained automatically; logs ``val_loss`` and ``val_acc``."""
+    """A small convolutional classifier with dropout, trained automatically; logs ``train_loss`` each step and as the
+    epoch's mean, ``val_loss`` and ``val_acc``."""
 
     def __init__(self, lr: float = 0.01) -> None:
         super().__init__()
@@ -31,7 +32,7 @@ class Net(LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, on_epoch=True)  # each step's, and the epoch's mean
         return loss
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):

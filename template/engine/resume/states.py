@@ -169,10 +169,6 @@ class ExactResume(Callback):
             "optimizers": [[_hyperparameters(group) for group in o.param_groups] for o in trainer.optimizers],
         }
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if self._pending_sums:
-            internals.add_epoch_sums(trainer, self._pending_sums)
-
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         progress = trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.processed
@@ -218,6 +214,7 @@ class ExactResume(Callback):
         state: dict[str, Any] = {"frozen": [name for name, p in module.named_parameters() if not p.requires_grad]}
         progress = trainer.fit_loop.epoch_loop.batch_progress
         if trainer.state.fn == TrainerFn.FITTING and progress.current.processed and not progress.is_last_batch:
+            internals.add_epoch_sums(trainer, self._pending_sums)  # a second stop in a resumed epoch: all of it
             state["epoch_sums"] = internals.epoch_sums(trainer)
             state["metrics"] = {n: _cpu(m.metric_state) for n, m in module.named_modules() if isinstance(m, Metric)}
             state["epoch_start"] = self._epoch_start
@@ -332,7 +329,10 @@ class ExactResume(Callback):
                 )
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._pending_sums = {}  # a value the resumed epoch never logged again ends with the epoch
+        # The resumed epoch's sums folded into those before the stop, before Lightning computes the epoch's values
+        # (after the epoch-end hooks); a value not logged again since the restart ends with the epoch.
+        internals.add_epoch_sums(trainer, self._pending_sums)
+        self._pending_sums = {}
         # Lightning steps plateau schedulers after this hook but not in a resumed epoch, where it assumes the monitored
         # value lost: it is this epoch's validation's, else the checkpoint's (on_train_start).
         if all(monitor in trainer.callback_metrics for monitor in _plateau_monitors(trainer)):
