@@ -461,12 +461,20 @@ def test_test(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactor
         _learned(project, tested, project.test_good, project.test_metric)
 
 
+# Each project's predictions, and the two heads' on 2 DDP processes (each predicts a share; rank 0 writes them all).
+PREDICT = [pytest.param(*p.values, False, id=p.id, marks=p.marks) for p in _cells("predict")]
+PREDICT += [pytest.param("vision", True, id="vision-ddp", marks=pytest.mark.slow)]
+
+
 @_bound(2)
-@pytest.mark.parametrize("name", _cells("predict"))
-def test_predict(name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> None:
+@pytest.mark.parametrize(("name", "ddp"), PREDICT)
+def test_predict(
+    name: str, ddp: bool, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
+) -> None:
     project = PROJECTS[name]
     checkpoint = _copy_of_fit(name, tmp_path, tmp_path_factory, fork_server)
-    args = ["predict", *project.args, *COMMON, "--ckpt_path", checkpoint, "--predictions", "predictions.csv"]
+    stacked = ("--config", str(CONFIGS / "ddp_cpu.yaml")) if ddp else ()
+    args = ["predict", *project.args, *stacked, *COMMON, "--ckpt_path", checkpoint, "--predictions", "predictions.csv"]
     code, output = run(tmp_path, args, fork_server)
     assert code == 0 and "Traceback" not in output, f"exit {code}:\n{output[-4000:]}"
     with (tmp_path / "predictions.csv").open(newline="") as f:
