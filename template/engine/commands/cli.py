@@ -167,8 +167,7 @@ class CLI(LightningCLI):
             self._parse(parser, args, _named_classes(argv, files), files)
             chosen = _class_paths(_of_subcommand(self.config))
             replaced = _class_paths(self.parsers[-1].get_defaults(skip_validation=True))
-            # (A default's path is the shortest import path, e.g. lightning.pytorch.demos.BoringModel: compared as
-            # the classes they name.)
+            # Compared as classes: a default's path is the shortest (lightning.pytorch.demos.BoringModel).
             if any(blame.located(replaced.get(key, "")) not in (None, blame.located(p)) for key, p in chosen.items()):
                 self._parse(parser, args, Namespace(chosen).as_dict(), files)
         config = _of_subcommand(self.config)
@@ -178,7 +177,11 @@ class CLI(LightningCLI):
         checkpoint_defaults(config)
         folder.refuse_what_object_storage_cannot_hold(config, subcommand)
         resolve_ckpt_path(config, self.folders)
-        self.fit_run = continue_fit(config, self.folders) if subcommand == "fit" else None
+        if subcommand == "fit":  # the run's folder, and its newest checkpoint when the same command restarts
+            self.fit_run = continue_run(config, self.folders)
+            config["ckpt_path"] = self.fit_run.ckpt_path
+            if (line := self.fit_run.describe()) is not None:
+                rank_zero_info(line)
         print_config.print_config_if_requested(parser, self.config)
 
     def _parse(self, parser: LightningArgumentParser, args: Any, defaults: dict[str, Any], files: dict) -> None:
@@ -327,15 +330,6 @@ def resolve_ckpt_path(config: Any, folders: RunFolders) -> None:
         config["ckpt_path"] = ckpt_path = folders.download(ckpt_path, "--ckpt_path", config.get("run.storage_options"))
     if ckpt_path and ckpt_path not in checkpoints.SPECIAL_PATHS:
         checkpoints.check(ckpt_path, strategy=config.get("trainer.strategy"))  # named for --ckpt_path
-
-
-def continue_fit(config: Any, folders: RunFolders) -> Run:
-    """The run a fit continues: its folder, and its newest checkpoint when the same command restarts."""
-    run = continue_run(config, folders)
-    config["ckpt_path"] = run.ckpt_path
-    if (line := run.describe()) is not None:
-        rank_zero_info(line)
-    return run
 
 
 def _claim_run_folder(folders: RunFolders, trainer: Trainer, config: Any, subcommand: str) -> None:
