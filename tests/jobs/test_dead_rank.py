@@ -174,6 +174,21 @@ def test_a_dead_rank_ends_the_job_with_one_line(tmp_path: Path, config: str, sig
 
 
 @pytest.mark.slow
+def test_a_collective_on_one_rank_before_training_is_named_within_the_setup_bound(tmp_path: Path) -> None:
+    """A user's ``trainer.log_dir`` under ``is_global_zero`` in ``on_fit_start``: the other rank never joins its
+    broadcast. Named after ``watchdog.setup_timeout``, not the 600 s of ``watchdog.timeout``, pointing at that code."""
+    command = [sys.executable, "-m", PACKAGE, "fit", "--config", str(CONFIGS / "ddp_cpu.yaml"), *BASE[:-1]]
+    command += ["--trainer.callbacks+=one_rank.LogDirOnRankZero", "--watchdog.setup_timeout=10"]
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "jobs"), os.environ.get("PYTHONPATH", "")]))
+    code, output = _start(command, tmp_path, env)  # within its bound (less than watchdog.timeout's 600 s)
+    assert code == 1, output[-3000:]
+    assert "a collective waited more than watchdog.setup_timeout=10 s: before the first training step" in output
+    assert "raise --watchdog.setup_timeout" in output
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert re.search(r"LogDirOnRankZero.on_fit_start \(\S*one_rank.py:9\)", line), line
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
 def test_under_torchrun_the_surviving_rank_says_one_line(tmp_path: Path) -> None:
     """Each rank started apart by torchrun's agent: the agent reports which died; the rank left says one line."""

@@ -38,6 +38,10 @@ _LOST_PEER = re.compile(
     r"NCCL communicator was aborted",
     re.IGNORECASE,
 )
+_BEFORE_THE_FIRST_STEP = (
+    "before the first training step, a collective only some ranks call (e.g. trainer.log_dir under "
+    "trainer.is_global_zero, whose broadcast the other ranks never join) waits for the others, or a rank is hung"
+)
 _LONGEST = 1e9  # seconds: torch keeps a process group's timeout in int64 nanoseconds (up to 9.2e9 s)
 _CAUSES = {
     "SIGKILL": " (out of memory, or kill -9 by a user or the scheduler)",
@@ -121,6 +125,10 @@ class RankWatchdog(Callback):
         grace: seconds the launching process gives its child ranks to exit on their own after an error (not after
             a timeout: then a rank is hung; after a stop they get ``timeout``) before killing them, and itself to
             fail on its own after a child rank died before it reports that rank.
+        setup_timeout: the bound instead of ``timeout`` from a fit's setup to its first training step (the module's
+            setup, ``on_fit_start``, the checkpoint's restore, the sanity check), where a collective only some ranks
+            call (e.g. ``trainer.log_dir`` under ``trainer.is_global_zero``) waits for the others; raise it where
+            ranks legitimately wait longer for one another there.
     """
 
     announcement = Mechanism(
@@ -129,13 +137,18 @@ class RankWatchdog(Callback):
         "none; raise --watchdog.timeout (Lightning's: 1800)",
     )
 
-    def __init__(self, timeout: PositiveFloat = 600.0, grace: NonNegativeFloat = 3.0) -> None:
+    def __init__(
+        self, timeout: PositiveFloat = 600.0, grace: NonNegativeFloat = 3.0, setup_timeout: PositiveFloat = 120.0
+    ) -> None:
         if not timeout <= _LONGEST:  # inf, or beyond the nanoseconds torch's process group counts in
             raise ConfigError(
                 f"watchdog.timeout={timeout:g} is longer than a process group can wait: give at most {_LONGEST:g} s"
             )
         self.timeout = timeout
         self.grace = grace
+        self.setup_timeout = setup_timeout
+        self._bound = "timeout"  # the option bounding a collective now
+        self._kept: timedelta | None = None  # the process group's own bound, from the first training step on
         self.role = Role.ALONE  # this process's, known at setup
         self._dead: DeadRank | None = None  # as the launcher: the child rank whose death made it fail
         self._failing: threading.Event | None = None  # set when the launcher fails: it reports a dead child itself
@@ -155,10 +168,22 @@ class RankWatchdog(Callback):
             # and runs no cleanup: a hung child would otherwise live on as an orphan.
             die_with_parent()
         if dist.is_available() and dist.is_initialized():
+            self._kept = internals.process_group_timeout(trainer.strategy)  # the watchdog's, or the strategy's own
+            if stage == "fit" and self._kept and self.setup_timeout < self._kept.total_seconds():
+                self._bound_by("setup_timeout", timedelta(seconds=self.setup_timeout))
             # Lightning destroys an NCCL group only: a gloo one left to the interpreter's finalisation now and then
             # aborts the process ("terminate called without an active exception"), failing a finished job.
             atexit.unregister(_end_process_group)  # once, however many Trainers this process sets up
             atexit.register(_end_process_group)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._bound != "timeout":
+            self._bound_by("timeout", self._kept)
+
+    def _bound_by(self, option: str, timeout: timedelta) -> None:
+        self._bound = option
+        # torch's private setter (to move to internals.py): the group Lightning created, which its strategy holds.
+        dist.distributed_c10d._set_pg_timeout(timeout)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """As the launcher, stop the ranks it started (a hung one would be left orphaned); as a rank started apart,
@@ -172,6 +197,10 @@ class RankWatchdog(Callback):
             _report_and_exit(DeadRank(None, None, None, _newest_checkpoint(trainer)), exception)
         elif role is Role.LAUNCHER:
             self._end_children(trainer, exception, timed_out)
+        elif role is Role.LAUNCHED and timed_out:
+            # The launcher's collective, if it waits too, times out about now: its line names the hang, then it ends
+            # this rank, whose own exit would have the job blamed on it ("rank 1 exited with code 1").
+            time.sleep(self.grace)
 
     def _end_children(self, trainer: Trainer, exception: BaseException, timed_out: bool) -> None:
         children = internals.launched_children(trainer) or []
@@ -189,14 +218,15 @@ class RankWatchdog(Callback):
         alive = [proc for proc in children if proc.poll() is None]
         if alive and self._dead is None:
             reason = (
-                f"a collective waited more than watchdog.timeout={self.timeout:g} s: another rank is hung or too slow"
+                f"a collective waited more than watchdog.{self._bound}={getattr(self, self._bound):g} s: "
+                + ("another rank is hung or too slow" if self._bound == "timeout" else _BEFORE_THE_FIRST_STEP)
                 if timed_out
                 else f"this process failed ({type(exception).__name__})"
             )
             pids = ", ".join(str(proc.pid) for proc in alive)
             print(
                 f"[rank {trainer.global_rank}] {reason}; killing the job's other processes (PID {pids}). "
-                "If a rank legitimately works alone for longer, raise --watchdog.timeout.",
+                f"If a rank legitimately works alone for longer, raise --watchdog.{self._bound}.",
                 file=sys.stderr,
                 flush=True,
             )
