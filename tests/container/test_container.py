@@ -41,6 +41,8 @@ default_ulimits = []  # podman's default asks for 1,048,576 open files: EPERM wi
 netns = "host"        # the default bridge edits the host's firewall
 [engine]
 runtime = "runc"      # crun refuses a hybrid cgroup v1 + v2 layout
+events_logger = "none"
+tmp_dir = "{folder}/libpod"  # with the store: nothing of the test's is left in /run
 """
 
 
@@ -89,7 +91,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(reason)
 
     def make(folder: Path) -> None:
-        (folder / "containers.conf").write_text(CONTAINERS_CONF)
+        (folder / "containers.conf").write_text(CONTAINERS_CONF.format(folder=folder))
         (folder / "storage.conf").write_text(
             f'[storage]\ndriver = "overlay"\nrunroot = "{folder}/run"\ngraphroot = "{folder}/graph"\n'
         )
