@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from template.engine.errors import PARSER_MESSAGES, explain_parser_error
+from template.engine.errors import PARSER_MESSAGES, explain_parser_error, explain_trainer_error
 
 UNION = "Does not validate against any of the Union subtypes"
 MODEL = f"Parser key \"model\": {UNION} Subtypes: [<class 'lightning.pytorch.core.module.LightningModule'>, <class 'NoneType'>] Errors:"  # noqa: E501
@@ -106,3 +106,12 @@ def test_the_innermost_class_is_the_one_named(case: str) -> None:
 
 def test_a_message_no_pattern_takes_is_kept_as_one_line() -> None:
     assert explain_parser_error("Something new\n  from jsonargparse") == "Something new from jsonargparse"
+
+
+def test_a_loader_given_its_batch_size_by_position_is_one_line_naming_the_fix() -> None:
+    # Lightning's predict rebuilds the user's DataLoader with its own batch sampler, and fails on a positional one.
+    said = explain_trainer_error("DataLoader.__init__() got multiple values for argument 'batch_size'")
+    assert said == (
+        "a DataLoader of the data is given batch_size by position, and Lightning cannot rebuild it with its own "
+        "sampler (Lightning issue 17991); pass it by name: DataLoader(dataset, batch_size=...)"
+    )

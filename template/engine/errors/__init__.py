@@ -193,6 +193,11 @@ def explain_trainer_error(text: str, devices: Any = None) -> str:
         return f"trainer.accelerator asks for a GPU but this process sees none{note}; use accelerator cpu or auto"
     if m := re.search(r"`num_nodes` must be a positive integer, but got (\S+?)\.?$", text):
         return f"trainer.num_nodes must be >= 1, got {m.group(1)}; set it to the number of machines (1 for one)"
+    if m := re.search(r"DataLoader.__init__\(\) got multiple values for argument '(\w+)'", text):
+        return (
+            f"a DataLoader of the data is given {m[1]} by position, and Lightning cannot rebuild it with its own "
+            f"sampler (Lightning issue 17991); pass it by name: DataLoader(dataset, {m[1]}=...)"
+        )
     if m := re.search(r"invalid strategy name: `strategy=(.*?)`", text):
         names = ", ".join(n for n in sorted(StrategyRegistry.available_strategies()) if "find_unused" not in n)
         return f"unknown trainer.strategy {m.group(1)}; use one of: {names} (or a Strategy class_path)"
