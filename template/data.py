@@ -95,9 +95,9 @@ class DigitsDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Materialise the packaged archive into ``data_dir`` once (Lightning calls this on one process per node)."""
-        if self.cache_path.is_file():
-            return
         try:
+            if self.cache_path.is_file():
+                return
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(_read_archive(), self.cache_path)  # whole or not at all, however many processes write
         except OSError as err:
@@ -112,7 +112,8 @@ class DigitsDataModule(LightningDataModule):
         """Load the cached tensors and split them the same way on every process and every run."""
         if self.splits:
             return
-        data = torch.load(self.cache_path, weights_only=True)
+        # Not prepared on this disk (prepare_data not called, as in a notebook): the packaged archive is the source.
+        data = torch.load(self.cache_path, weights_only=True) if self.cache_path.is_file() else _read_archive()
         images = data["images"].float() / 16.0
         labels = data["labels"]
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
