@@ -297,7 +297,7 @@ def test_same_global_batch_on_one_process_and_two_ddp_processes(run_cli, tmp_pat
         "fit", "--config", CONFIGS / "default.yaml", "--scaling.global_batch_size=64", *scaling, *SHORT, cwd=single_dir
     )
     assert single.returncode == 0, single.stderr[-3000:]
-    # configs/ddp_cpu.yaml states the global batch (64) itself.
+    # configs/ddp_cpu.yaml splits the config's batch (64) over its 2 processes (scaling.split_batch).
     ddp = run_cli("fit", "--config", CONFIGS / "ddp_cpu.yaml", *scaling, *SHORT, cwd=ddp_dir, timeout=300)
     output = ddp.stdout + ddp.stderr
     assert ddp.returncode == 0, output[-3000:]
