@@ -182,30 +182,26 @@ def home(
             f"{'it' if on_store else 'trainer.default_root_dir=' + root} is) does not have; keep the study in a "
             "database the machines share, e.g. sweep.storage: postgresql://user@host/db"
         )
-    remote = RemoteRoot(root, run.get("storage_options")) if is_remote(root) else None
-    folder = run_dir(remote.local if remote else root, sweep.name)
-    storage = open_storage(sweep.storage, folder)
-    if storage is not None:
-        check_space(storage, sweep.name, space, folds)
-    folder.mkdir(parents=True, exist_ok=True)
-    env = trial_environment()
-    if sweep.gpu_memory_fraction is not None:
-        env[MEMORY_FRACTION] = str(sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        if remote is None:
-            yield folder, storage or _journal(folder / JOURNAL), env
-            return
-        remote.pull(folder, recursive=False)
-        try:
-            yield folder, storage, {**env, COPIES: json.dumps({remote.url: str(remote.local)})}
-        finally:  # the sweep's own files (trial configs and logs, results); each trial uploads its run
-            remote.sync(folder, recursive=False)
-            remote.flush()
-            remote.close()
-    finally:
-        optuna.logging.set_verbosity(verbosity)
+    with contextlib.ExitStack() as stack:
+        remote = RemoteRoot(root, run.get("storage_options")) if is_remote(root) else None
+        if remote is not None:
+            stack.callback(remote.close)
+        folder = run_dir(remote.local if remote else root, sweep.name)
+        storage = open_storage(sweep.storage, folder)
+        if storage is not None:
+            check_space(storage, sweep.name, space, folds)
+        folder.mkdir(parents=True, exist_ok=True)
+        env = trial_environment()
+        if sweep.gpu_memory_fraction is not None:
+            env[MEMORY_FRACTION] = str(sweep.gpu_memory_fraction)  # the trial's reporter applies it on a GPU
+        if remote is not None:  # the sweep's own files (trial configs and logs, results); each trial uploads its run
+            remote.pull(folder, recursive=False)
+            stack.callback(remote.flush)
+            stack.callback(remote.sync, folder, recursive=False)
+            env[COPIES] = json.dumps({remote.url: str(remote.local)})
+        stack.callback(optuna.logging.set_verbosity, optuna.logging.get_verbosity())
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        yield folder, storage or _journal(folder / JOURNAL), env
 
 
 def open_storage(url: str | None, folder: Path) -> optuna.storages.BaseStorage | None:
