@@ -238,6 +238,23 @@ def _steps(work: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+def _stop_in_epoch_1(store: Path, work: Path, name: str) -> tuple[int, float, str]:
+    """Start ARGS in container ``name``, and once STOP_AT steps are marked, ``podman stop`` it: the run's exit code,
+    the seconds ``podman stop`` took, the run's output. The DataLoader workers are checked to be running then."""
+    proc = _start(store, work, name)
+    deadline = time.monotonic() + WAIT
+    while _steps(work) < STOP_AT and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, f"the run ended before the stop:\n{(work / 'run.log').read_text()[-4000:]}"
+    processes = podman(store, "top", name, "comm").stdout.split()
+    assert processes.count("pt_data_worker") >= 2, processes  # the run's DataLoader workers, as torch names them
+    start = time.monotonic()
+    podman(store, "stop", "--time=60", name, timeout=120)
+    stopped_in = time.monotonic() - start
+    code = finish(proc, 120, "the stopped podman run", work / "run.log")
+    return code, stopped_in, (work / "run.log").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3 * WAIT)
 def test_container_podman_stop_mid_epoch_then_the_same_run_ends_as_outside_bit_for_bit(
@@ -249,18 +266,7 @@ def test_container_podman_stop_mid_epoch_then_the_same_run_ends_as_outside_bit_f
     for folder in ("lightning_logs", "data"):
         (tmp_path / folder).mkdir()
     _marks(tmp_path, 0.2, inside=True)
-    proc = _start(store, tmp_path, containers[0])
-    deadline = time.monotonic() + WAIT
-    while _steps(tmp_path) < STOP_AT and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None, f"the run ended before the stop:\n{(tmp_path / 'run.log').read_text()[-4000:]}"
-    processes = podman(store, "top", containers[0], "comm").stdout.split()
-    assert processes.count("pt_data_worker") >= 2, processes  # the run's DataLoader workers, as torch names them
-    start = time.monotonic()
-    podman(store, "stop", "--time=60", containers[0], timeout=120)
-    stopped_in = time.monotonic() - start
-    code = finish(proc, 120, "the stopped podman run", tmp_path / "run.log")
-    output = (tmp_path / "run.log").read_text()
+    code, stopped_in, output = _stop_in_epoch_1(store, tmp_path, containers[0])
     assert code == 143, f"exit {code}, expected 143 (128 + SIGTERM):\n{output[-4000:]}"
     assert stopped_in < 30, f"podman stop took {stopped_in:.0f} s (SIGKILL after 60)"
     assert "Stopping on SIGTERM: checkpoint" in output and "run the same command to continue" in output, output[-3000:]
