@@ -161,7 +161,13 @@ def _rng_callback(monkeypatch: pytest.MonkeyPatch, visible: int, devices: list[s
     parallel = [torch.device(d) for d in devices]
     strategy = SimpleNamespace(world_size=1, root_device=parallel[0], parallel_devices=parallel)
     callback = ExactResume()
-    trainer = SimpleNamespace(strategy=strategy, train_dataloader=None, callback_metrics={}, lr_scheduler_configs=[])
+    # What a checkpoint's state reads of a trainer outside a fit: no batch trained in an epoch, a module.
+    progress = SimpleNamespace(current=SimpleNamespace(processed=0), is_last_batch=False)
+    trainer = SimpleNamespace(
+        strategy=strategy, train_dataloader=None, callback_metrics={}, lr_scheduler_configs=[],
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        lightning_module=torch.nn.Linear(1, 1), state=SimpleNamespace(fn="validate"),
+    )  # fmt: skip
     callback.setup(trainer, None, "validate")
     return callback, fake
 
