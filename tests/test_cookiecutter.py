@@ -256,6 +256,7 @@ def test_custom_bake_carries_the_answers(custom_bake: Path) -> None:
     assert "license" not in meta and not (project / "LICENSE").exists()
     assert 'python-version: "3.12"' in (project / ".github" / "workflows" / "tests.yml").read_text()
     assert f"python -m {package} fit" in (project / "README.md").read_text()
+    assert f'"python", "-m", "{package}"' in (project / "Containerfile").read_text()
 
 
 def readme_commands(readme: str) -> list[str]:

@@ -421,9 +421,9 @@ def test_scaling_reaches_sequential_and_last_lr() -> None:
 
 
 def test_built_experiment_is_none_until_a_logger_creates_it(tmp_path) -> None:  # noqa: ANN001
-    from template.engine.logs.loggers import CSVLogger, TensorBoardLogger
+    from template.engine.logs.loggers import ResumableCSVLogger, ResumableTensorBoardLogger
 
-    for logger in (CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb")):
+    for logger in (ResumableCSVLogger(tmp_path / "csv"), ResumableTensorBoardLogger(tmp_path / "tb")):
         assert internals.built_experiment(logger) is None
         assert not Path(logger.save_dir).exists(), "asking created nothing"
         built = logger.experiment
@@ -541,3 +541,19 @@ def test_optuna_keeps_a_queued_trials_values_where_the_sweeps_sampler_reads_them
     trial = study.ask()
     trial.suggest_int("b", 0, 3)  # a value the queue left to the sampler, which sees the queued ones
     assert seen == [{"a": 2}] and trial.suggest_int("a", 0, 3) == 2
+
+
+def test_a_process_groups_timeout_is_set_and_its_collectives_then_run(tmp_path: Path) -> None:
+    """torch's private setter of the default group's timeout (the watchdog's bound): it takes a new timeout, and the
+    group still runs a collective after it."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        internals.set_process_group_timeout(timedelta(seconds=5))
+        ones = torch.ones(2)
+        dist.all_reduce(ones)
+        assert ones.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

@@ -59,6 +59,12 @@ def process_group_timeout(strategy: Strategy) -> timedelta | None:
     return _require(strategy, "_timeout", "lightning", "joining a restarted torchrun group")
 
 
+def set_process_group_timeout(timeout: timedelta) -> None:
+    """Give the default process group a new timeout for its collectives (torch has no public setter)."""
+    c10d = _imported("torch.distributed", "distributed_c10d", "the watchdog's bound on a collective")
+    _require(c10d, "_set_pg_timeout", "torch", "the watchdog's bound on a collective")(timeout)
+
+
 def process_group_backend(strategy: Strategy) -> str | None:
     """The backend (gloo, nccl) the strategy will create its process group with, before it does (the public property
     is set only then); None for a strategy without one."""

@@ -131,7 +131,7 @@ CASES = {
     "trainer-section-as-list": (["--config", "listed.yaml"], ["listed.yaml", "`trainer:`", "list"]),
     "logger-save-interval": (
         [
-            f"--trainer.logger={PACKAGE}.engine.logs.loggers.CSVLogger",
+            f"--trainer.logger={PACKAGE}.engine.logs.loggers.ResumableCSVLogger",
             *("--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.save_interval=-3"),
         ],
         ["'-3'", "trainer.logger.init_args.save_interval", "expected a value >= 0"],

@@ -11,7 +11,7 @@ from template.engine.errors import PARSER_MESSAGES, explain_parser_error, explai
 
 UNION = "Does not validate against any of the Union subtypes"
 MODEL = f"Parser key \"model\": {UNION} Subtypes: [<class 'lightning.pytorch.core.module.LightningModule'>, <class 'NoneType'>] Errors:"  # noqa: E501
-LOGGER = "Parser key \"trainer.logger\": Does not validate against any of the Union subtypes Subtypes: [<class 'lightning.pytorch.loggers.logger.Logger'>, <class 'bool'>, <class 'NoneType'>] Errors: - Problem with given class_path 'template.engine.logs.loggers.CSVLogger': Parser key \"save_interval\": Not of type NonNegativeFloat: -3 does not conform to restriction v>=0 - Expected a <class 'bool'> - Expected a <class 'NoneType'> Given value type: <class 'jsonargparse._util.NestedArg'> Given value: NestedArg(key='save_interval', val='-3')"  # noqa: E501
+LOGGER = "Parser key \"trainer.logger\": Does not validate against any of the Union subtypes Subtypes: [<class 'lightning.pytorch.loggers.logger.Logger'>, <class 'bool'>, <class 'NoneType'>] Errors: - Problem with given class_path 'template.engine.logs.loggers.ResumableCSVLogger': Parser key \"save_interval\": Not of type NonNegativeFloat: -3 does not conform to restriction v>=0 - Expected a <class 'bool'> - Expected a <class 'NoneType'> Given value type: <class 'jsonargparse._util.NestedArg'> Given value: NestedArg(key='save_interval', val='-3')"  # noqa: E501
 FSDP2 = "template.engine.strategies.FSDP2Strategy"
 
 # name in PARSER_MESSAGES: (the message, the files the command read, the line it becomes)

@@ -66,7 +66,7 @@ def test_a_collectives_lost_peer_is_told_from_other_errors() -> None:
     assert not processes.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     # A process that knows of no dead rank (no trainer yet, or nothing recorded) keeps the exception's own report.
     shapes = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
-    assert processes.dead_rank(shapes, None) is None and processes.HangWatchdog().dead_rank(shapes) is None
+    assert processes.dead_rank(shapes, None) is None and processes.RankWatchdog().dead_rank(shapes) is None
 
 
 def test_full_traceback_shows_the_exception_behind_an_error_line(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from template.engine.errors import ConfigError
-from template.engine.logs.loggers import CSVLogger
+from template.engine.logs.loggers import ResumableCSVLogger
 from template.engine.resume.continuation import continue_run
 from template.engine.runs.folder import RunFolders, newest, run_name
 
@@ -56,11 +56,11 @@ def test_newest_checkpoint_prefers_the_latest_then_last(tmp_path: Path) -> None:
 
 
 def test_resumed_csv_log_keeps_rows_before_the_first_new_step(tmp_path: Path) -> None:
-    first = CSVLogger(save_dir=tmp_path, name="logs", version="run")
+    first = ResumableCSVLogger(save_dir=tmp_path, name="logs", version="run")
     for step in range(6):
         first.log_metrics({"loss": float(step)}, step)
     first.finalize("success")
-    resumed = CSVLogger(save_dir=tmp_path, name="logs", version="run", resume=True)
+    resumed = ResumableCSVLogger(save_dir=tmp_path, name="logs", version="run", resume=True)
     resumed.log_hyperparams({"lr": 0.1})
     # Nothing logged yet: the interrupted run's rows are still all on disk.
     with (tmp_path / "logs" / "run" / "metrics.csv").open() as f:

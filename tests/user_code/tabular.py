@@ -70,7 +70,9 @@ class TabularData(LightningDataModule):
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         h = self.hparams
         workers = {"num_workers": h.num_workers, "persistent_workers": h.persistent_workers and h.num_workers > 0}
-        return DataLoader(self.splits[split], batch_size=h.batch_size, shuffle=shuffle, pin_memory=h.pin_memory, **workers)
+        return DataLoader(
+            self.splits[split], batch_size=h.batch_size, shuffle=shuffle, pin_memory=h.pin_memory, **workers
+        )
 
     def train_dataloader(self):
         return self._loader("train", shuffle=True)

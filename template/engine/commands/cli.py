@@ -36,7 +36,7 @@ from template.engine.commands.trainer_arguments import (
 )
 from template.engine.errors import ConfigError, blame
 from template.engine.jobs.preemption import command_ended, defer_signals, signal_handlers
-from template.engine.jobs.processes import HangWatchdog, dead_rank, join_restarted_group
+from template.engine.jobs.processes import RankWatchdog, dead_rank, join_restarted_group
 from template.engine.logs.console import ThroughputLog, first_lines
 from template.engine.resume import checkpoints
 from template.engine.resume.continuation import Run, continue_run
@@ -45,7 +45,7 @@ from template.engine.runs import folder, run_dir
 from template.engine.runs.folder import RunConfigCallback, RunFolders, RunOptions, newest_under, run_folder_arguments
 from template.engine.runs.remote import is_remote
 from template.engine.store import atomic_write, prove_writable
-from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config, devices, fsdp  # registers dp, fsdp
+from template.engine.strategies import FSDP2Strategy, check_dp_trainer_config, devices, fsdp  # registers dp
 from template.engine.strategies.compile import CompileNetwork
 from template.engine.strategies.ema import EMAOptions
 from template.engine.strategies.scaling import BatchScaling
@@ -60,7 +60,7 @@ EXAMPLE_DEFAULTS: dict[str, dict[str, Any]] = {
 CALLBACK_SECTIONS: dict[str, type[Callback]] = {
     "checkpoint": checkpoints.ModelCheckpoint,
     "scaling": BatchScaling,
-    "watchdog": HangWatchdog,
+    "watchdog": RankWatchdog,
     "compile": CompileNetwork,
     "throughput": ThroughputLog,
 }
@@ -433,7 +433,7 @@ def main(args: list[str] | None = None) -> None:
     own: BaseException | None = None
     reported = finished = False
     try:
-        with quiet_libraries():
+        with quiet_libraries(), devices.settings_restored():  # the process as it was, once the command ends
             command = COMMANDS.get(argv[0]) if argv else None
             if command is None or command.runs is None:
                 build_cli(argv, folders=folders)
@@ -458,6 +458,7 @@ def main(args: list[str] | None = None) -> None:
 
 def _report(err: Exception, folders: RunFolders) -> BaseException:
     """Print the line of a mistake (2), the disk (3) or a dead rank and exit; else the exception to raise."""
+    folders.failed(err)  # a start that failed before its record: listed by `runs` with its line
     found = blame.verdict(err, dead=lambda e: _dead_rank(e, folders.trainer))
     if found is None:
         if (line := blame.user_code_line(err)) is not None:

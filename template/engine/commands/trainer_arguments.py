@@ -21,7 +21,7 @@ from typing_extensions import override
 from template.engine import internals
 from template.engine.errors import ConfigError
 from template.engine.jobs.preemption import Preemption, defer_signals
-from template.engine.jobs.processes import HangWatchdog
+from template.engine.jobs.processes import RankWatchdog
 from template.engine.logs import loggers as tracking
 from template.engine.logs.console import MonitorCheck, TimedProgressBar
 from template.engine.logs.loggers import LogsBeforeCheckpoints, run_loggers
@@ -62,7 +62,7 @@ def plugins(trainer_config: dict[str, Any], remote: RemoteRoot | None = None) ->
     return {"plugins": [checkpoints.AtomicCheckpointIO(remote)]} if trainer_config.get("plugins") is None else {}
 
 
-def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatchdog | None) -> dict[str, Any]:
+def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: RankWatchdog | None) -> dict[str, Any]:
     """The ``strategy`` argument with the watchdog's timeout for its process group; {} keeps the config's. ``fsdp`` is
     built here (Lightning refuses the name on CPUs); a process-group strategy given by class_path (``configured``)
     with Lightning's default timeout is built again with the watchdog's."""
@@ -85,7 +85,7 @@ def strategy(trainer_config: dict[str, Any], configured: Any, watchdog: HangWatc
 
 
 @contextlib.contextmanager
-def process_group_timeout(watchdog: HangWatchdog | None) -> Iterator[None]:
+def process_group_timeout(watchdog: RankWatchdog | None) -> Iterator[None]:
     """While the Trainer is built, the process-group strategies Lightning builds from a name (ddp, which "auto" picks
     for several devices) get the watchdog's timeout through their StrategyRegistry entries, unless one sets its own."""
     if watchdog is None:

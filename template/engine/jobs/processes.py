@@ -182,8 +182,7 @@ class RankWatchdog(Callback):
 
     def _bound_by(self, option: str, timeout: timedelta) -> None:
         self._bound = option
-        # torch's private setter (to move to internals.py): the group Lightning created, which its strategy holds.
-        dist.distributed_c10d._set_pg_timeout(timeout)
+        internals.set_process_group_timeout(timeout)  # the group Lightning created, which its strategy holds
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """As the launcher, stop the ranks it started (a hung one would be left orphaned); as a rank started apart,
@@ -263,9 +262,6 @@ class RankWatchdog(Callback):
             _report_and_exit(DeadRank(rank, parent, None, _newest_checkpoint(trainer)))
 
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-
-
-HangWatchdog = RankWatchdog  # its former name, until commands/cli.py and trainer_arguments.py import RankWatchdog
 
 
 def dead_rank(err: BaseException, trainer: Trainer | None) -> DeadRank | None:

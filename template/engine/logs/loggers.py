@@ -179,10 +179,6 @@ class ResumableTensorBoardLogger(_TimedSave, TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
-# Their former names (tests of tests/test_internals.py, runs/ and errors/ use them), until those use the new ones.
-CSVLogger, TensorBoardLogger = ResumableCSVLogger, ResumableTensorBoardLogger  # noqa: F811
-
-
 def _kept_rows(path: Path) -> list[dict[str, str]]:
     """The rows of an interrupted run's metrics.csv, without their empty cells; [] when there is none. One that is not
     a CSVLogger's is renamed to the first free ``metrics.damaged-<n>.csv`` beside it: the logs start afresh."""
