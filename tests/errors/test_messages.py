@@ -41,7 +41,8 @@ SAMPLES: dict[str, tuple[str, dict, str]] = {
         f"{MODEL} - Problem with given class_path 'template.model.Classifier': Parser key \"net\": Problem with given class_path 'template.nets.MLP': Option 'dropuot' is not accepted - Expected a <class 'NoneType'> Given value type: <class 'jsonargparse._util.NestedArg'> Given value: NestedArg(key='net.init_args.dropuot', val='0.2')",  # noqa: E501
         {"mine.yaml": {"model": {"init_args": {"net": {"init_args": {"dropuot": 0.2}}}}}},
         "model.init_args.net.init_args.dropuot (set in config file 'mine.yaml') is not an argument of "
-        "'template.nets.MLP'; check its spelling, drop it from that file, or add the argument to the class",
+        "'template.nets.MLP'; check its spelling, drop it from that file, "
+        "or add the argument to the class",
     ),
     "option of a name": (
         "Parser key \"trainer.strategy\": Does not validate against any of the Union subtypes Subtypes: [<class 'str'>, <class 'lightning.pytorch.strategies.strategy.Strategy'>] Errors: - Expected a <class 'str'> - Expected a dot import path string: fsdp Given value type: <class 'jsonargparse._util.NestedArg'> Given value: NestedArg(key='shard_layers', val=['Linear'])",  # noqa: E501

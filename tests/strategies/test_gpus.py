@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import types
@@ -387,6 +388,8 @@ def _report_instead_of_training(self: cli.CLI) -> None:
         "devices": [str(d) for d in devices],
         "matmul": torch.get_float32_matmul_precision(),
         "precision": self.trainer.precision,
+        # What Lightning's launcher hands to ranks 1..N while the command runs (put back when it ends).
+        "environment": {name: os.environ.get(name) for name in (HANDOFF_VARIABLE, "CUDA_DEVICE_ORDER")},
     }
     print("BUILT " + json.dumps(built))
     sys.exit(0)
@@ -421,7 +424,8 @@ def test_command_line_trains_on_the_free_gpus(run_with_fake_gpus, nvml, config, 
     built, log = run_with_fake_gpus(6, "fit", "--config", CONFIGS / config, "--trainer.devices=free:2")
     assert built["strategy"] == strategy and built["devices"] == ["cuda:3", "cuda:5"]
     assert "trainer.devices='free:2': training on GPU(s) [3, 5]" in log
-    assert gpus.os.environ[HANDOFF_VARIABLE] == "free:2->3,5"  # what Lightning's launcher hands to ranks 1..N
+    assert built["environment"][HANDOFF_VARIABLE] == "free:2->3,5"
+    assert HANDOFF_VARIABLE not in os.environ  # the command's choice ends with it
 
 
 def test_ddp_child_builds_the_same_trainer_from_the_handed_down_choice(run_with_fake_gpus, nvml, monkeypatch) -> None:  # noqa: ANN001
@@ -440,7 +444,10 @@ def test_lightnings_ddp_launcher_hands_the_choice_to_its_children(
 
     nvml()
     args = ("fit", "--config", CONFIGS / "ddp.yaml", "--trainer.devices=free:2")
-    assert run_with_fake_gpus(6, *args)[0]["devices"] == ["cuda:3", "cuda:5"]
+    built, _ = run_with_fake_gpus(6, *args)
+    assert built["devices"] == ["cuda:3", "cuda:5"]
+    for name, value in built["environment"].items():  # as the launcher finds them inside the command
+        monkeypatch.setenv(name, value)
     # Lightning's own launcher starts rank 1 (recorded, not run): it sets these variables in rank 0's environment.
     for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.setenv(name, "")

@@ -66,7 +66,6 @@ class ResumableIndexSampler(Sampler):
         self.next = Next.DRAW
         self.done = 0  # REPLAY: the batches to skip
         self.resuming = False  # a replay was asked for, by the checkpoint this fit started from
-        self._after_seed: dict[str, Any] | None = None  # RESEED: where training is, for the order
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this object lacks; "inner" itself missing (half-built copy) must not recurse.
@@ -97,20 +96,24 @@ class ResumableIndexSampler(Sampler):
         self.at_iterator, self.at_order, self.done = at_iterator, at_order, done
         self.next, self.resuming = Next.REPLAY, True
 
-    def keep_workers_seed(self, at_iterator: dict[str, Any]) -> None:
+    def keep_workers_seed(self, at_iterator: dict[str, Any], at_order: dict[str, Any]) -> None:
         """Persistent workers were started once, in an earlier epoch: started again, they get the same seed."""
-        self.at_iterator, self.next = at_iterator, Next.RESEED
+        self.at_iterator, self.at_order, self.next = at_iterator, at_order, Next.RESEED
 
-    def before_iterator(self, new: bool, persistent: bool = False) -> None:
-        """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed."""
+    def before_iterator(self, new: bool, persistent: bool = False) -> dict[str, Any] | None:
+        """Called by the loader before it creates (``new``) or resets its iterator, which draws the workers' seed;
+        returns the states to put back once it has (RESEED: where training is)."""
         if self.next is Next.RESEED and not (new and persistent):
-            self.next = Next.DRAW  # no workers to start again: a new order, as in any epoch
-        if self.next is Next.RESEED:
-            self._after_seed = self._capture()  # the order from where training is (see __iter__)
+            # No workers to start again: this iterator, of the epoch stopped at its end, reads nothing, and the next
+            # epoch's draws a new order, as in any epoch; the recorded states stay until then.
+            self.next = Next.DRAW
+            return None
+        now = self._capture() if self.next is Next.RESEED else None
         if self.next is not Next.DRAW:
             self._put_back(self.at_iterator)  # the workers' seed as the uninterrupted run drew it
         elif new or self.at_iterator is None:
             self.at_iterator = self._capture()
+        return now
 
     def __iter__(self) -> Iterator[Any]:
         # A generator, so that the wrapped sampler draws when it would unwrapped (at the first item): a DataLoader with
@@ -118,9 +121,6 @@ class ResumableIndexSampler(Sampler):
         if self.next is Next.REPLAY:
             yield from self._replay()
             return
-        if self._after_seed is not None:
-            self._put_back(self._after_seed)
-            self._after_seed = None
         self.next = Next.DRAW
         self.at_order = self._capture()
         for place, item in enumerate(self._draw_order()):
@@ -241,7 +241,9 @@ def _resumable_class(cls: type) -> type:
             return super(subclass, self).__iter__()
         # With persistent workers only the first epoch creates the iterator (and draws the workers' seed).
         persistent = self.persistent_workers and self.num_workers > 0
-        sampler.before_iterator(new=not (persistent and internals.has_iterator(self)), persistent=persistent)
+        training_at = sampler.before_iterator(
+            new=not (persistent and internals.has_iterator(self)), persistent=persistent
+        )
         own = vars(self).copy()
         fetch = SeededFetch(self.dataset, self.collate_fn)
         # DataLoader refuses a new dataset after __init__; its iterator keeps this one, the loader gets its own back.
@@ -250,6 +252,8 @@ def _resumable_class(cls: type) -> type:
             return super(subclass, self).__iter__()
         finally:
             vars(self).update(dataset=own["dataset"], collate_fn=own["collate_fn"])
+            if training_at is not None:
+                sampler._put_back(training_at)
 
     subclass = type(
         cls.__name__, (cls,), {"__iter__": __iter__, "__module__": __name__, "__qualname__": cls.__qualname__}

@@ -158,7 +158,7 @@ class ExactResume(Callback):
             # Restarted in the middle of an epoch: its order again, without the batches already trained on.
             sampler.resume(pending["iterator"], pending["order"], done)
         else:
-            sampler.keep_workers_seed(pending["iterator"])
+            sampler.keep_workers_seed(pending["iterator"], pending["order"])
         return resumable
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -300,9 +300,11 @@ class ExactResume(Callback):
         stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
         # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
         replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
-        if stateful or replayed or restart is Restart.EPOCH_END:
+        # Stopped at an epoch's last batch, the iterator Lightning built for what is left of it reads nothing.
+        exhausted = restart is Restart.MID_EPOCH and self._last_batch
+        if stateful or replayed or exhausted or restart is Restart.EPOCH_END:
             # Making the restored (at an epoch's end: the next) iterator drew from the global generators, which the
-            # uninterrupted run did earlier, from the checkpoint's states.
+            # uninterrupted run did earlier or not at all, from the checkpoint's states.
             restore_global_states(restored)
         # A place in the epoch put back brings its sampler generator with it.
         put_back = (stateful and restart is Restart.MID_EPOCH) or replayed
@@ -317,7 +319,7 @@ class ExactResume(Callback):
             iter(internals.fit_data_fetcher(trainer))
 
     def _say_what_repeats(self, trainer: Trainer, loaders: list[DataLoader], restart: Restart) -> None:
-        if restart is not Restart.MID_EPOCH or self._batches_done is None:
+        if restart is not Restart.MID_EPOCH or self._batches_done is None or self._last_batch:
             return
         # Lightning's own warning knows only its own resumable loaders, and names an infinite epoch's steps "inf".
         self.ignore("You're resuming from a checkpoint that ended before the epoch ended and your dataloader")
