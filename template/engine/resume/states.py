@@ -296,10 +296,7 @@ class ExactResume(Callback):
     def _restore_order(
         self, trainer: Trainer, loaders: list[DataLoader], restored: dict[str, Any], restart: Restart
     ) -> None:
-        # Lightning restores a StatefulDataLoader's place and sampler generator: a new iterator would lose them.
-        stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
-        # A resumable copy replaying its epoch leaves the global generators where its workers' seed was drawn.
-        replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
+        stateful, replayed = _put_back_by_loaders(loaders)
         # Stopped at an epoch's last batch, the iterator Lightning built for what is left of it reads nothing.
         exhausted = restart is Restart.MID_EPOCH and self._last_batch
         if stateful or replayed or exhausted or restart is Restart.EPOCH_END:
@@ -308,13 +305,8 @@ class ExactResume(Callback):
             restore_global_states(restored)
         # A place in the epoch put back brings its sampler generator with it.
         put_back = (stateful and restart is Restart.MID_EPOCH) or replayed
-        rebuild = restart is Restart.EPOCH_END
-        samplers = [] if put_back else restored["samplers"]
-        for generator, saved in zip(_sampler_generators(loaders), samplers, strict=False):
-            if generator is not None and saved is not None:
-                generator.set_state(saved)
-                rebuild = True
-        if rebuild:
+        restored_generators = _set_sampler_states(loaders, [] if put_back else restored["samplers"])
+        if (restored_generators or restart is Restart.EPOCH_END) and not exhausted:
             # Lightning built the epoch's iterator before this hook: a new one draws from the restored states.
             iter(internals.fit_data_fetcher(trainer))
 
@@ -474,6 +466,25 @@ def _sampler_generators(loaders: list[DataLoader]) -> list[torch.Generator | Non
     samplers = [getattr(loader.batch_sampler, "sampler", loader.sampler) for loader in loaders]
     generators = [getattr(sampler, "generator", None) for sampler in samplers]
     return [generator if isinstance(generator, torch.Generator) else None for generator in generators]
+
+
+def _put_back_by_loaders(loaders: list[DataLoader]) -> tuple[bool, bool]:
+    """Whether every loader is a StatefulDataLoader, whose place and sampler generator Lightning restores (a new
+    iterator would lose them); whether a resumable copy replays its epoch (leaving the global generators where its
+    workers' seed was drawn)."""
+    stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
+    replayed = any((sampler := wrapped(loader)) is not None and sampler.resuming for loader in loaders)
+    return stateful, replayed
+
+
+def _set_sampler_states(loaders: list[DataLoader], states: list[Any]) -> bool:
+    """Each loader's sampler generator back at its saved state; whether any was."""
+    restored = False
+    for generator, saved in zip(_sampler_generators(loaders), states, strict=False):
+        if generator is not None and saved is not None:
+            generator.set_state(saved)
+            restored = True
+    return restored
 
 
 def _recorded(sampler: Any, place: int) -> dict[str, Any] | None:
