@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from template.engine.commands.tune import judge, measured_losses
 from tests.commands import user_projects as projects
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, REPO, cli_env, pythonpath
 
 FIT_LIMITS = [
     "--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
@@ -248,13 +248,14 @@ def test_the_suggestion_trains_as_well_as_the_modules_own_rate(tmp_path: Path, r
     }
     (tmp_path / "user.yaml").write_text(yaml.safe_dump(config))
     # Lightning's range and its 100 steps, more than the config's 3 epochs hold.
-    done = run_cli("tune", "lr", "--config", "user.yaml", timeout=300)
+    env = cli_env(PYTHONPATH=pythonpath(REPO))  # the projects' classes by their module's name, tests.commands...
+    done = run_cli("tune", "lr", "--config", "user.yaml", timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     ((option, lr),) = yaml.safe_load((tmp_path / "tune-lr.yaml").read_text())["model"]["init_args"].items()
     assert option == ("learning_rate" if project == "regression" else "lr")  # the argument each module names it by
     assert f"Suggested learning rate: {lr:.3g} (model.init_args.{option})" in done.stdout, done.stdout
     for config in ([], ["--config", "tune-lr.yaml"]):
-        fit = run_cli("fit", "--config", "user.yaml", *config, timeout=300)
+        fit = run_cli("fit", "--config", "user.yaml", *config, timeout=300, env=env)
         assert fit.returncode == 0, fit.stderr[-3000:]
     default, tuned = (_metric(tmp_path / f"lightning_logs/version_{v}", metric) for v in (0, 1))
     assert tuned >= 0.9 * default, f"{metric} {tuned:.3f} at the suggested {lr:.3g}, {default:.3f} at the default"

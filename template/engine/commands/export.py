@@ -100,23 +100,41 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         raise ConfigError("--format onnx needs onnx, onnxscript and onnxruntime: pip install -e '.[onnx]'") from None
     target, x = _network(checkpoint_path, configs or [str(config_of(checkpoint_path))], prefix, module)
     with torch.no_grad():
-        names, dynamic = list(_outputs(target, x)), _dynamic(target, x)
-        axes = {0: "batch", **{d: f"size{d}" for d in dynamic}}
-        program = _traced(target, x, axes, names)
-        # The example, a batch of 1 with the other dynamic dimensions smaller, and one with them larger.
-        inputs = [x, _resized(x, {0: 1, **{d: smaller for d, (smaller, _) in dynamic.items()}})]
-        inputs += [_resized(x, {d: larger for d, (_, larger) in dynamic.items()})] if dynamic else []
-        error = max(_difference(program, target, b) for b in inputs)
+        names, dynamic, lost = list(_outputs(target, x)), _dynamic(target, x), ""
+        try:
+            program, inputs, error = _checked(target, x, dynamic, names)
+        except ConfigError:
+            if not dynamic:
+                raise
+            # PyTorch takes other sizes; the graph torch.onnx makes of a layer (adaptive pooling) holds the example's.
+            lost = f"; dimensions {', '.join(map(str, dynamic))} fixed (ONNX Runtime refused other sizes PyTorch takes)"
+            dynamic = {}
+            program, inputs, error = _checked(target, x, dynamic, names)
+    axes = {0: "batch", **{d: f"size{d}" for d in dynamic}}
     with disk_errors(output, kept="nothing was written at --output", option="--output"):
         output.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(output, lambda f: f.write(program.model_proto.SerializeToString()))
     shapes = f", at shapes {', '.join(str(tuple(b.shape)) for b in inputs)}" if dynamic else ""
     shape = ", ".join(axes.get(d, str(n)) for d, n in enumerate(x.shape))
-    fixed = f", numbers where {type(target).__name__} takes no other size," if len(dynamic) + 1 < x.dim() else ""
+    fixed = (
+        f", numbers where {type(target).__name__} takes no other size,"
+        if len(dynamic) + 1 < x.dim() and not lost
+        else ""
+    )
     return (
         f"checked in ONNX Runtime on batches of {len(x)} and 1{shapes}: |difference| {error:.2g} (atol {ATOL}, rtol "
-        f"{RTOL}); it takes 'input' ({shape}){fixed} and gives {', '.join(names)}"
+        f"{RTOL}); it takes 'input' ({shape}){fixed} and gives {', '.join(names)}{lost}"
     )
+
+
+def _checked(target: nn.Module, x: Tensor, dynamic: dict[int, tuple[int, int]], names: list[str]) -> tuple:
+    """The program of ``target`` with the batch and the ``dynamic`` dimensions named, the inputs it was checked on
+    (the example, a batch of 1 with the other dynamic dimensions smaller, one with them larger), its largest
+    difference from PyTorch."""
+    program = _traced(target, x, {0: "batch", **{d: f"size{d}" for d in dynamic}}, names)
+    inputs = [x, _resized(x, {0: 1, **{d: smaller for d, (smaller, _) in dynamic.items()}})]
+    inputs += [_resized(x, {d: larger for d, (_, larger) in dynamic.items()})] if dynamic else []
+    return program, inputs, max(_difference(program, target, b) for b in inputs)
 
 
 def _network(checkpoint_path: str, configs: list[str], prefix: str, module: bool) -> tuple[nn.Module, Tensor]:

@@ -141,7 +141,7 @@ def _batch_size_option(cli: CLI) -> str:
 class Curve(NamedTuple):
     """The finder's curve judged: the loss as measured at each rate, smoothed over a window of rates around each
     (``smoothed``, by index), where it falls (from ``start`` to its lowest, ``low``), the rate where it falls fastest
-    there (``steepest``), whether that fall is real (``falls``) and why not."""
+    there, at most a tenth of the lowest's rate (``steepest``), whether that fall is real (``falls``) and why not."""
 
     lrs: list[float]
     measured: list[float]
@@ -187,9 +187,11 @@ def judge(lrs: list[float], measured: list[float]) -> Curve:
     noise = step_noise / math.sqrt(2 * half + 1)
     falls = bool(slopes) and highest - smoothed[low] >= max(abs(highest) / 50, 8 * noise)
     why = f"its smoothed loss falls by {highest - smoothed[low]:.3g} at most, from {highest:.4g} (noise {noise:.2g})"
-    return Curve(
-        lrs, measured, smoothed, start, low, min(slopes, key=slopes.__getitem__) if slopes else low, falls, why
-    )
+    steepest = min(slopes, key=slopes.__getitem__) if slopes else low
+    # At most a tenth of the rate at the lowest loss (fastai's rule): the fall's steepest point can be a rate at which
+    # training, over more steps than the finder's, diverges (a BatchNorm CNN with augmentation: chance accuracy).
+    tenth = max((i for i in slopes if lrs[i] <= lrs[low] / 10), default=steepest)
+    return Curve(lrs, measured, smoothed, start, low, min(steepest, tenth), falls, why)
 
 
 def draw(curve: Curve, path: Path) -> None:
