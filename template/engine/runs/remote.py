@@ -83,6 +83,7 @@ class RemoteRoot:
         self.fetched = Path(tempfile.mkdtemp(prefix="run-folder-read-"))
         self._queue: dict[Path, Upload] = {}  # in order
         self._requests: set[concurrent.futures.Future] = set()  # the run's own, on fsspec's (shared) event loop
+        self._fenced = False
         self._busy = False
         self._synced: dict[Path, tuple[int, int]] = {}
         self._changed = threading.Condition()
@@ -243,6 +244,8 @@ class RemoteRoot:
         with every other fsspec user of the process, whose requests go on); a TimeoutError after ``timeout`` s."""
         future = asyncio.run_coroutine_threadsafe(getattr(self.fs, f"_{method}")(*args, **kwargs), self.fs.loop)
         self._requests.add(future)
+        if self._fenced:  # fenced while it was being sent: fence's cancelling may have missed it
+            future.cancel()
         try:
             return future.result(timeout)
         except TimeoutError:
@@ -258,7 +261,7 @@ class RemoteRoot:
         """Write nothing more to the store (the lease was not renewed, or taken over): the run's requests under way
         are cancelled, and the training thread raises ``lost`` at its next push or flush."""
         with self._changed:
-            self.failure = lost
+            self.failure, self._fenced = lost, True
             self._changed.notify_all()
         for future in list(self._requests):
             future.cancel()
