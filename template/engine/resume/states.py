@@ -286,8 +286,6 @@ class ExactResume(Callback):
         self._epoch_start = start
         restore_global_states(now)
         self._pending_sums = dict(restored.get("epoch_sums", {}))
-        if self._pending_sums:  # folded in as each is first logged again: the uninterrupted run's order of additions
-            self.on_train_batch_end = self._fold_epoch_sums  # type: ignore[method-assign]
         for name, states in restored.get("metrics", {}).items():
             metric = pl_module.get_submodule(name)
             for attribute, value in states.items():
@@ -324,16 +322,14 @@ class ExactResume(Callback):
                     f"{_what_repeats(done, total)}. See docs/reliability.md, Exact at any step."
                 )
 
-    def _fold_epoch_sums(self, trainer: Trainer, *args: Any) -> None:
-        """After a batch of the resumed epoch: the sums from before the stop added to each value logged for the first
-        time since (0 + a + S is S + a, bit for bit), until none is left; then no hook at every step."""
-        internals.add_epoch_sums(trainer, self._pending_sums)
-        if not self._pending_sums:
-            self.on_train_batch_end = None  # type: ignore[assignment]
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        # In the resumed epoch: the sums from before the stop added to each value logged for the first time since
+        # (0 + a + S is S + a, bit for bit: the uninterrupted run's order of additions), until none is left.
+        if self._pending_sums:
+            internals.add_epoch_sums(trainer, self._pending_sums)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pending_sums = {}  # a value the resumed epoch never logged again ends with the epoch
-        self.on_train_batch_end = None  # type: ignore[assignment]
         # Lightning steps plateau schedulers after this hook but not in a resumed epoch, where it assumes the monitored
         # value lost: it is this epoch's validation's, else the checkpoint's (on_train_start).
         if all(monitor in trainer.callback_metrics for monitor in _plateau_monitors(trainer)):
