@@ -78,6 +78,10 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog.removeprefix(PROGRAM).strip()}: {message}")
 
 
+class Refused(ConfigError):
+    """ONNX Runtime refuses a size PyTorch takes (not a wrong answer, which no fixed size mends)."""
+
+
 class FitConfig(CLI):
     """The command line building the model and data of a fit config, also as a run saved it (with ``ckpt_path``)."""
 
@@ -103,7 +107,7 @@ def export_onnx(checkpoint_path: str, output: Path, configs: list[str], prefix: 
         names, dynamic, lost = list(_outputs(target, x)), _dynamic(target, x), ""
         try:
             program, inputs, error = _checked(target, x, dynamic, names)
-        except ConfigError:
+        except Refused:
             if not dynamic:
                 raise
             # PyTorch takes other sizes; the graph torch.onnx makes of a layer (adaptive pooling) holds the example's.
@@ -211,7 +215,7 @@ def _difference(program: Any, target: nn.Module, x: Tensor) -> float:
     try:
         got = program(x)
     except Exception as err:  # onnxruntime's own types: a size the graph does not take after all
-        raise ConfigError(
+        raise Refused(
             f"ONNX Runtime refuses an input of shape {tuple(x.shape)}, which PyTorch takes: "
             f"{one_line(str(err))[:300]}; nothing was written"
         ) from None
