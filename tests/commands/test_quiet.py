@@ -60,6 +60,7 @@ def test_a_fit_and_its_resume_print_no_library_warning(run_cli, tmp_path: Path, 
         assert _noise(done.stdout + done.stderr) == []
 
 
+@pytest.mark.slow  # a stop and its continuation: the fit and resume above are the fast suite's
 def test_a_stopped_run_and_its_continuation_print_no_library_warning(run_cli, tmp_path: Path) -> None:  # noqa: ANN001
     """A SIGTERM mid-epoch (interrupted.ckpt written), then the same command."""
     (tmp_path / "fault.yaml").write_text(

@@ -182,6 +182,8 @@ FAST = [
     Cell("single", "epoch_end", "SIGTERM"),
     Cell("single", "checkpoint", "SIGKILL", nth=1),  # killed while a checkpoint is written
     Cell("single", "teardown", "SIGTERM"),  # after the last step
+]
+SLOW += [
     Cell("accumulation", "train_batch", "SIGTERM", 0, 2),  # between micro-batches
     Cell("ddp-1", "train_batch", "SIGTERM", 1, 2),  # mid-epoch in a later epoch, Lightning's DistributedSampler
 ]

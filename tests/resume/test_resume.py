@@ -93,6 +93,7 @@ def test_resume_at_epoch_boundary_is_bit_exact(straight: Path, tmp_path: Path, r
     assert _max_difference(reference, _last(control)) > 0
 
 
+@pytest.mark.slow  # the fast suite's exact-resume cells stop runs mid-epoch
 def test_mid_epoch_resume_is_bit_exact(straight: Path, tmp_path: Path, run_cli) -> None:  # noqa: ANN001
     # The example data's StatefulDataLoader saves its place in the epoch: the rest of epoch 0 reads exactly the
     # batches the uninterrupted run read after step 3.

@@ -75,6 +75,7 @@ def test_the_refuser_stops_every_way_into_cuda(tmp_path: Path) -> None:
     assert (tmp_path / "cuda-refused.log").read_text().count("CUDA initialised") >= 5
 
 
+@pytest.mark.slow  # two runs; the refuser's own test above is the fast suite's
 def test_a_cpu_fit_and_its_continuation_never_initialise_cuda(tmp_path: Path) -> None:
     for epochs in (1, 2):
         result = _run(tmp_path, "fit", "--config", CONFIGS / "default.yaml", *SHORT, f"--trainer.max_epochs={epochs}")
