@@ -141,7 +141,8 @@ def _batch_size_option(cli: CLI) -> str:
 class Curve(NamedTuple):
     """The finder's curve judged: the loss as measured at each rate, smoothed over a window of rates around each
     (``smoothed``, by index), where it falls (from ``start`` to its lowest, ``low``), the rate where it falls fastest
-    there, at most a tenth of the lowest's rate (``steepest``), whether that fall is real (``falls``) and why not."""
+    there, moved down to the region's highest rate at most a tenth of the lowest's where it has one (``steepest``),
+    whether that fall is real (``falls``) and why not."""
 
     lrs: list[float]
     measured: list[float]
@@ -188,8 +189,9 @@ def judge(lrs: list[float], measured: list[float]) -> Curve:
     falls = bool(slopes) and highest - smoothed[low] >= max(abs(highest) / 50, 8 * noise)
     why = f"its smoothed loss falls by {highest - smoothed[low]:.3g} at most, from {highest:.4g} (noise {noise:.2g})"
     steepest = min(slopes, key=slopes.__getitem__) if slopes else low
-    # At most a tenth of the rate at the lowest loss (fastai's rule): the fall's steepest point can be a rate at which
-    # training, over more steps than the finder's, diverges (a BatchNorm CNN with augmentation: chance accuracy).
+    # No higher than a tenth of the rate at the lowest loss (fastai's rule) where the region reaches below it: the
+    # fall's steepest point can be a rate at which training, over more steps than the finder's, diverges (a BatchNorm
+    # CNN with augmentation: chance accuracy).
     tenth = max((i for i in slopes if lrs[i] <= lrs[low] / 10), default=steepest)
     return Curve(lrs, measured, smoothed, start, low, min(steepest, tenth), falls, why)
 
